@@ -1,0 +1,49 @@
+"""The `kiln` command: one entry point, a subcommand per job.
+
+Each subcommand's module is imported only when it runs, so `kiln serve` never
+pulls in torch and `kiln --help` is instant. Errors a user can fix print one
+line and exit 1; argparse's usage errors exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import export_commands
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kiln", description="Ahead-of-time compiled LLM serving on IREE.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+    export_commands.add_commands(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra_flags = []
+    if "--" in argv:  # what follows goes to iree-compile untouched
+        at = argv.index("--")
+        argv, extra_flags = argv[:at], argv[at + 1 :]
+    args = parser.parse_args(argv)
+    if extra_flags:
+        if not hasattr(args, "extra_flags"):
+            parser.error(f"'-- FLAGS' is only for compile-vmfb and build, not {args.command}")
+        args.extra_flags = extra_flags
+    try:
+        return args.run(args) or 0
+    except KeyboardInterrupt:
+        print("kiln: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if not export_commands.is_user_error(error):
+            raise
+        print(f"kiln: error: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""`kiln build`: export once, compile for each target, into one directory.
+
+Without an output directory the artifacts go to Kiln's cache, keyed by the model,
+the options and the package versions, so a second run reuses them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+from kiln.models.checkpoint import load_checkpoint
+
+from .compile import compile_vmfb, target_flags
+from .export_model import export_model
+from .options import ExportOptions
+
+
+def kiln_cache_dir() -> Path:
+    return Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for package in ("kiln", "torch", "iree-turbine", "iree-base-compiler"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = ""
+    return found
+
+
+def artifacts_key(model_path: Path | None, options: ExportOptions, extra: dict | None = None) -> str:
+    """A short stable name for these inputs: the model file's identity, options, versions."""
+    if model_path is None:
+        identity = "default:SmolLM2-135M-Instruct.Q4_1"
+    else:
+        model_path = Path(model_path).resolve()
+        stat_source = model_path / "config.json" if model_path.is_dir() else model_path
+        stat = stat_source.stat() if stat_source.exists() else None
+        identity = f"{model_path}:{stat.st_size if stat else 0}:{stat.st_mtime_ns if stat else 0}"
+    blob = json.dumps([identity, asdict(options), _versions(), extra or {}], sort_keys=True)
+    stem = "smollm2-135m-instruct" if model_path is None else Path(model_path).stem.lower()
+    return f"{stem}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+
+def vmfb_name(target: str) -> str:
+    return f"model_{target}.vmfb"
+
+
+def build(
+    model_path: Path | None,
+    options: ExportOptions,
+    targets: list[str],
+    output_dir: Path | None = None,
+    arch: dict[str, str] | None = None,
+    extra_flags: list[str] | None = None,
+    log=print,
+) -> Path:
+    """Export + compile for every target; skip what is already built. Returns the directory."""
+    for target in targets:
+        target_flags(target)  # reject unknown targets before the slow part
+    arch = arch or {}
+    reuse = output_dir is None  # only a keyed cache directory is known to match these inputs
+    if output_dir is None:
+        key = artifacts_key(model_path, options, {"arch": arch, "flags": extra_flags or []})
+        output_dir = kiln_cache_dir() / "artifacts" / key
+    output_dir = Path(output_dir)
+    if reuse and (output_dir / "model.json").exists():
+        log(f"export: {output_dir} already holds an export, reusing it")
+    else:
+        log("loading the model" + (f" from {model_path}" if model_path else " (bundled SmolLM2-135M-Instruct)"))
+        checkpoint = load_checkpoint(model_path)
+        export_model(checkpoint, options, output_dir, log=log)
+    for target in targets:
+        vmfb = output_dir / vmfb_name(target)
+        if reuse and vmfb.exists() and vmfb.stat().st_mtime >= (output_dir / "model.mlir").stat().st_mtime:
+            log(f"compile: {vmfb.name} is up to date")
+            continue
+        compile_vmfb(output_dir / "model.mlir", vmfb, target, arch.get(target), extra_flags, log=log)
+    return output_dir

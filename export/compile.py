@@ -1,0 +1,124 @@
+"""`kiln compile-vmfb`: drive iree-compile, with the KV cache updated in place.
+
+Out of the box IREE imports the mutated cache argument without ownership and
+copies the whole cache on every call (DESIGN.md). We compile in two phases: to
+the input dialect, where each exported function imports the cache with
+`hal.tensor.import` and writes it back with `hal.tensor.alias`; we mark that
+import `consume` (the callee owns the buffer: the KV-cache contract) with the
+MLIR Python bindings; then we compile the rest.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from .options import ExportError
+
+TARGETS = ("cpu", "cuda", "rocm")
+DEFAULT_ARCH = {"cpu": "host", "cuda": "sm_80", "rocm": "gfx942"}
+
+
+def target_flags(target: str, arch: str | None = None) -> list[str]:
+    """iree-compile flags that select a device and a sensible code generation for it."""
+    if target not in TARGETS:
+        raise ExportError(f"unknown target {target!r}: choose one of {', '.join(TARGETS)}")
+    arch = arch or DEFAULT_ARCH[target]
+    if target == "cpu":
+        return [
+            "--iree-hal-target-device=local",
+            "--iree-hal-local-target-device-backends=llvm-cpu",
+            f"--iree-llvmcpu-target-cpu={arch}",
+        ]
+    if target == "cuda":
+        return ["--iree-hal-target-device=cuda", f"--iree-cuda-target={arch}"]
+    return ["--iree-hal-target-device=hip", f"--iree-rocm-target={arch}"]
+
+
+def iree_compile_tool() -> str:
+    try:
+        from iree.compiler.tools.binaries import find_tool
+    except ImportError:
+        raise ExportError("iree-base-compiler is not installed: pip install 'kiln[export]'") from None
+    return find_tool("iree-compile")
+
+
+def run_iree_compile(args: list[str], what: str) -> None:
+    result = subprocess.run([iree_compile_tool(), *args], capture_output=True, text=True)
+    if result.returncode != 0:
+        detail = (result.stderr or result.stdout).strip().splitlines()
+        first_error = next((line for line in detail if "error" in line), detail[0] if detail else "")
+        raise ExportError(f"iree-compile failed while {what}: {first_error.strip()}")
+
+
+def mark_cache_imports_consumed(input_ir: str) -> tuple[str, int]:
+    """Mark the import of every argument that a function writes back as `consume`.
+
+    Returns the new IR text and how many imports were marked. The written-back
+    argument is found through the `hal.tensor.alias` that stores into it, per
+    function, not by its printed name (which repeats across functions).
+    """
+    from iree.compiler import ir
+
+    marked = 0
+    with ir.Context():
+        module = ir.Module.parse(input_ir)
+        for func in module.body.operations:
+            if func.operation.name != "util.func" or not func.regions or not func.regions[0].blocks:
+                continue
+            for block in func.regions[0].blocks:
+                aliased = set()
+                for op in block.operations:
+                    if op.operation.name == "hal.tensor.alias":
+                        for operand in op.operands:
+                            if isinstance(operand.owner, ir.Block) and "hal.buffer_view" in str(operand.type):
+                                aliased.add(ir.BlockArgument(operand).arg_number)
+                if not aliased:
+                    continue
+                for op in block.operations:
+                    if op.operation.name != "hal.tensor.import":
+                        continue
+                    source = op.operands[0]
+                    if isinstance(source.owner, ir.Block) and ir.BlockArgument(source).arg_number in aliased:
+                        op.attributes["consume"] = ir.UnitAttr.get()
+                        marked += 1
+        return str(module), marked
+
+
+def compile_vmfb(
+    mlir_path: Path,
+    output: Path,
+    target: str = "cpu",
+    arch: str | None = None,
+    extra_flags: list[str] | None = None,
+    log=print,
+) -> Path:
+    """Compile model MLIR to a VMFB for `target`; returns the VMFB path."""
+    mlir_path, output = Path(mlir_path), Path(output)
+    flags = target_flags(target, arch)
+    if not mlir_path.is_file():
+        raise ExportError(f"MLIR file {mlir_path} does not exist")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="kiln-compile-") as scratch:
+        # iree-compile writes beside the output and the file is renamed into place,
+        # so a failed or interrupted compile never leaves a truncated VMFB.
+        scratch = Path(scratch)
+        started = time.monotonic()
+        run_iree_compile([str(mlir_path), "--compile-to=input", "-o", str(scratch / "input.mlir")], "importing the model")
+        text, marked = mark_cache_imports_consumed((scratch / "input.mlir").read_text())
+        if marked == 0:
+            log("warning: no written-back argument found; the KV cache will be copied on every call")
+        (scratch / "consumed.mlir").write_text(text)
+        log(f"imported and marked {marked} cache argument(s) as consumed in {time.monotonic() - started:.1f}s")
+
+        started = time.monotonic()
+        partial = output.with_name(output.name + ".partial")
+        run_iree_compile(
+            [str(scratch / "consumed.mlir"), "--compile-from=input", *flags, *(extra_flags or []), "-o", str(partial)],
+            f"compiling for {target}",
+        )
+        partial.replace(output)
+        log(f"compiled {output.name} for {target} ({output.stat().st_size / 2**20:.2f} MiB) in {time.monotonic() - started:.1f}s")
+    return output

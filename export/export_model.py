@@ -1,0 +1,138 @@
+"""`kiln export-model`'s work: checkpoint in, model.mlir/json/irpa + tokenizer out.
+
+Everything is written into a scratch directory beside the output and moved into
+place at the end, model.json last, so an interrupted export never leaves a
+directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from iree.turbine import aot
+
+from kiln.models.checkpoint import Checkpoint
+from kiln.models.llama import PagedLlama
+from kiln.runtime.config import KilnParams, ModelParams, PagedKVCacheParams, save_model_config, sidecar_path
+
+from .exporter import TORCH_DTYPES, trace_module
+from .options import ExportError, ExportOptions
+
+PARAMETER_SCOPE = "model"
+ARTIFACT_NAMES = ("model.mlir", "model.irpa", "tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass
+class ExportedModel:
+    directory: Path
+
+    @property
+    def mlir(self) -> Path:
+        return self.directory / "model.mlir"
+
+    @property
+    def irpa(self) -> Path:
+        return self.directory / "model.irpa"
+
+    @property
+    def config(self) -> Path:
+        return self.directory / "model.json"
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.directory / "tokenizer.json"
+
+
+def model_params(checkpoint: Checkpoint, options: ExportOptions) -> ModelParams:
+    c = checkpoint.config
+    return ModelParams(
+        max_seq_len=options.max_seq_len,
+        transformer_block_count=c.num_hidden_layers,
+        attn_head_dim=c.head_dim,
+        prefill_batch_sizes=list(options.prefill_batch_sizes),
+        decode_batch_sizes=list(options.decode_batch_sizes),
+        has_prefill_position=options.has_prefill_position,
+        logits_normalization=options.logits_normalization,
+        attn_dtype=options.dtype,
+        top_k=options.top_k,
+        paged_kv_cache=PagedKVCacheParams(
+            block_seq_stride=options.block_seq_stride,
+            attention_head_count_kv=c.num_key_value_heads,
+            device_block_count=options.device_block_count,
+            kv_cache_dtype=options.dtype,
+        ),
+    )
+
+
+def kiln_params(checkpoint: Checkpoint, options: ExportOptions) -> KilnParams:
+    from importlib.metadata import PackageNotFoundError, version
+
+    c = checkpoint.config
+    try:
+        kiln_version = version("kiln")
+    except PackageNotFoundError:
+        kiln_version = ""
+    return KilnParams(
+        vocab_size=c.vocab_size,
+        model_name=c.name,
+        architecture=c.architecture,
+        bos_token_id=c.bos_token_id,
+        eos_token_ids=list(c.eos_token_ids),
+        dtype=options.dtype,
+        prefill_final_logits=options.prefill_final_logits,
+        hidden_size=c.hidden_size,
+        num_attention_heads=c.num_attention_heads,
+        kiln_version=kiln_version,
+    )
+
+
+def build_model(checkpoint: Checkpoint, options: ExportOptions) -> PagedLlama:
+    model = PagedLlama(checkpoint.config, block_seq_stride=options.block_seq_stride)
+    try:
+        model.load_tensors(checkpoint.tensors, dtype=TORCH_DTYPES[options.dtype])
+    except (ValueError, RuntimeError) as error:
+        raise ExportError(f"the checkpoint's tensors do not fit its config: {error}") from None
+    return model.eval()
+
+
+def export_model(checkpoint: Checkpoint, options: ExportOptions, output_dir: Path, log=print) -> ExportedModel:
+    options.validate(checkpoint.config.max_position_embeddings)
+    output_dir = Path(output_dir)
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
+    try:
+        started = time.monotonic()
+        model = build_model(checkpoint, options)
+        log(f"built the {options.dtype} model in {time.monotonic() - started:.1f}s")
+
+        started = time.monotonic()
+        aot.externalize_module_parameters(model, external_scope=PARAMETER_SCOPE)
+        aot.save_module_parameters(scratch / "model.irpa", model)
+        log(f"saved parameters ({(scratch / 'model.irpa').stat().st_size / 2**20:.1f} MiB) in {time.monotonic() - started:.1f}s")
+
+        log("tracing:")
+        started = time.monotonic()
+        with torch.no_grad():
+            output = trace_module(model, options, log=lambda line: log(line))
+        output.save_mlir(scratch / "model.mlir")
+        log(f"wrote model.mlir in {time.monotonic() - started:.1f}s")
+
+        (scratch / "tokenizer.json").write_text(checkpoint.tokenizer_json)
+        (scratch / "tokenizer_config.json").write_text(json.dumps(checkpoint.tokenizer_config, indent=2) + "\n")
+        save_model_config(scratch / "model.json", model_params(checkpoint, options), kiln_params(checkpoint, options))
+
+        output_dir.mkdir(parents=True, exist_ok=True)
+        # A stale model.json must not vouch for half-replaced files.
+        (output_dir / "model.json").unlink(missing_ok=True)
+        for name in (*ARTIFACT_NAMES, sidecar_path(Path("model.json")).name, "model.json"):
+            os.replace(scratch / name, output_dir / name)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return ExportedModel(output_dir)

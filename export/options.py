@@ -1,0 +1,71 @@
+"""What an export is asked to produce, checked before any heavy work starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("float32", "float16", "bfloat16")
+LOGITS_NORMALIZATIONS = ("none", "softmax", "log_softmax")
+
+
+class ExportError(Exception):
+    """Bad export options or a model the export cannot handle: one line for the user."""
+
+
+@dataclass
+class ExportOptions:
+    prefill_batch_sizes: list[int] = field(default_factory=lambda: [1, 4])
+    decode_batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8])
+    block_seq_stride: int = 16
+    device_block_count: int = 256
+    max_seq_len: int = 0  # 0: the model's context length, capped at 8192
+    dtype: str = "float32"
+    prefill_final_logits: bool = False
+    top_k: int | None = None
+    logits_normalization: str = "none"
+    # Prefill takes start positions: what prefix caching and chunked prefill need.
+    has_prefill_position: bool = True
+
+    def validate(self, context_length: int) -> "ExportOptions":
+        """Fill derived fields and reject nonsense with a message that names the option."""
+        for name in ("prefill_batch_sizes", "decode_batch_sizes"):
+            sizes = getattr(self, name)
+            if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
+                raise ExportError(f"{name} must be positive integers, got {sizes}")
+            setattr(self, name, sorted(set(sizes)))
+        if self.block_seq_stride < 1:
+            raise ExportError(f"block_seq_stride must be positive, got {self.block_seq_stride}")
+        if self.device_block_count < 2:
+            raise ExportError(
+                f"device_block_count must be at least 2 (page 0 is reserved), got {self.device_block_count}"
+            )
+        if self.dtype not in DTYPES:
+            raise ExportError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.logits_normalization not in LOGITS_NORMALIZATIONS:
+            raise ExportError(
+                f"logits_normalization must be one of {', '.join(LOGITS_NORMALIZATIONS)}, "
+                f"got {self.logits_normalization!r}"
+            )
+        if self.top_k is not None and self.top_k < 1:
+            raise ExportError(f"top_k must be a positive integer, got {self.top_k}")
+        if not self.max_seq_len:
+            cap = min(context_length or 8192, 8192)
+            self.max_seq_len = cap - cap % self.block_seq_stride
+        if self.max_seq_len < 1:
+            raise ExportError(f"max_seq_len must be positive, got {self.max_seq_len}")
+        if self.max_seq_len % self.block_seq_stride:
+            raise ExportError(
+                f"block_seq_stride {self.block_seq_stride} does not divide max_seq_len {self.max_seq_len}"
+            )
+        return self
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """'1,4,8' -> [1, 4, 8]; anything else is an ExportError naming the bad item."""
+    sizes = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item.isdigit() or int(item) < 1:
+            raise ExportError(f"batch sizes must be positive integers separated by commas, got {text!r}")
+        sizes.append(int(item))
+    return sizes

@@ -1,0 +1,130 @@
+"""Load a Hugging Face model directory: config.json, safetensors (one file or sharded), tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .checkpoint import Checkpoint
+from .config import SUPPORTED_ARCHITECTURES, LlamaConfig, ModelLoadError
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ModelLoadError(f"{path} is not valid JSON: {error}") from None
+
+
+def config_from_hf(values: dict, name: str = "") -> LlamaConfig:
+    architectures = values.get("architectures") or []
+    known = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
+    if not known:
+        found = ", ".join(architectures) or values.get("model_type", "unknown")
+        raise ModelLoadError(
+            f"unsupported architecture {found}: Kiln runs {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+    architecture = SUPPORTED_ARCHITECTURES[known[0]]
+    eos = values.get("eos_token_id")
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    try:
+        return LlamaConfig(
+            vocab_size=values["vocab_size"],
+            hidden_size=values["hidden_size"],
+            intermediate_size=values["intermediate_size"],
+            num_hidden_layers=values["num_hidden_layers"],
+            num_attention_heads=values["num_attention_heads"],
+            num_key_value_heads=values.get("num_key_value_heads") or values["num_attention_heads"],
+            head_dim=values.get("head_dim") or 0,
+            rms_norm_eps=values.get("rms_norm_eps", 1e-6),
+            rope_theta=values.get("rope_theta", 10000.0),
+            rope_scaling=values.get("rope_scaling"),
+            max_position_embeddings=values.get("max_position_embeddings", 2048),
+            tie_word_embeddings=values.get("tie_word_embeddings", False),
+            attention_bias=values.get("attention_bias", architecture == "qwen2"),
+            bos_token_id=values.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            architecture=architecture,
+            name=name,
+        )
+    except KeyError as error:
+        raise ModelLoadError(f"config.json lacks {error.args[0]}") from None
+
+
+def _safetensor_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = _read_json(index).get("weight_map", {})
+        return [directory / name for name in sorted(set(weight_map.values()))]
+    single = directory / "model.safetensors"
+    if single.exists():
+        return [single]
+    found = sorted(directory.glob("*.safetensors"))
+    if not found:
+        raise ModelLoadError(f"{directory} has no model.safetensors (or sharded safetensors with an index)")
+    return found
+
+
+def load_tensors(files: list[Path]) -> dict[str, np.ndarray]:
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    tensors: dict[str, np.ndarray] = {}
+    for path in files:
+        if not path.exists():
+            raise ModelLoadError(f"{path} is listed in the index but missing")
+        try:
+            loaded = load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as error:
+            raise ModelLoadError(f"{path} is not a readable safetensors file: {error}") from None
+        except TypeError:
+            # numpy has no bfloat16: read through torch's loader when weights are bf16.
+            loaded = _load_bf16_file(path)
+        tensors.update(loaded)
+    return tensors
+
+
+def _load_bf16_file(path: Path) -> dict[str, np.ndarray]:
+    from safetensors.torch import load_file
+
+    return {name: t.float().numpy() for name, t in load_file(str(path)).items()}
+
+
+def _strip_prefix(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Accept both `model.layers...` and bare `layers...` naming."""
+    out = {}
+    for name, value in tensors.items():
+        if not name.startswith(("model.", "lm_head.")):
+            name = "model." + name
+        out[name] = value
+    return out
+
+
+def load_hf_directory(directory: Path) -> Checkpoint:
+    directory = Path(directory)
+    config = config_from_hf(_read_json(directory / "config.json"), name=directory.name)
+    tensors = _strip_prefix(load_tensors(_safetensor_files(directory)))
+    if "lm_head.weight" not in tensors and not config.tie_word_embeddings:
+        config.tie_word_embeddings = True  # some exports drop a tied head without saying so
+    tokenizer_path = directory / "tokenizer.json"
+    if not tokenizer_path.exists():
+        raise ModelLoadError(f"{directory} has no tokenizer.json")
+    tokenizer_config = {}
+    if (directory / "tokenizer_config.json").exists():
+        tokenizer_config = _read_json(directory / "tokenizer_config.json")
+    generation = directory / "generation_config.json"
+    if generation.exists():
+        eos = _read_json(generation).get("eos_token_id")
+        extra = [eos] if isinstance(eos, int) else list(eos or [])
+        config.eos_token_ids = sorted(set(config.eos_token_ids) | set(extra))
+    return Checkpoint(
+        config=config,
+        tensors=tensors,
+        tokenizer_json=tokenizer_path.read_text(),
+        tokenizer_config=tokenizer_config,
+        source=str(directory),
+    )

@@ -1,0 +1,242 @@
+"""A Llama-family decoder in plain torch, over a paged KV cache.
+
+Read it top to bottom: RMSNorm, rotary embeddings, grouped-query attention,
+SwiGLU. `forward_paged` is what the export traces (prefill and decode are the
+same function with T new tokens at `start_pos`); `forward_reference` is a plain
+causal pass with no cache, the yardstick for the tests.
+
+Cache layout (the export/runtime contract, DESIGN.md): `cache[pages, page_elems]`,
+each page `[layers, 2 (k, v), kv_heads, block_seq_stride, head_dim]`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import LlamaConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).to(x.dtype)
+
+
+def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
+    """Per-pair rotation speeds, with Llama-3's frequency-dependent scaling if configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type == "llama3":
+        factor = scaling["factor"]
+        low_freq_factor = scaling.get("low_freq_factor", 1.0)
+        high_freq_factor = scaling.get("high_freq_factor", 4.0)
+        old_context = scaling.get("original_max_position_embeddings", 8192)
+        low_wavelen = old_context / low_freq_factor
+        high_wavelen = old_context / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    elif rope_type == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif rope_type not in (None, "default"):
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}")
+    return inv_freq.float()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def project(self, x, cos, sin):
+        """q [N,H,T,D] and k, v [N,Hkv,T,D] for x [N,T,hidden], rotary applied to q and k."""
+        n, t, _ = x.shape
+        q = self.q_proj(x).view(n, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(n, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(n, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return q, k, v
+
+    def attend(self, q, k, v, mask):
+        """SDPA with grouped-query heads; mask is boolean [N,1,T,S] (True = may attend)."""
+        group = self.n_heads // self.n_kv_heads
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        n, _, t, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(n, t, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+
+class Backbone(nn.Module):
+    """Embeddings, layers and final norm, under HF's `model.` prefix."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class PagedLlama(nn.Module):
+    def __init__(self, config: LlamaConfig, block_seq_stride: int = 16):
+        super().__init__()
+        self.config = config
+        self.block_seq_stride = block_seq_stride
+        self.model = Backbone(config)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Not a parameter: a small constant folded into the program.
+        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+
+    # -- sizes -------------------------------------------------------------------------
+    @property
+    def page_elems(self) -> int:
+        c = self.config
+        return c.num_hidden_layers * 2 * c.num_key_value_heads * self.block_seq_stride * c.head_dim
+
+    def allocate_cache(self, pages: int, dtype=torch.float32) -> torch.Tensor:
+        return torch.zeros(pages, self.page_elems, dtype=dtype)
+
+    # -- weights -----------------------------------------------------------------------
+    def load_tensors(self, tensors: dict, dtype=torch.float32):
+        state = {name: torch.as_tensor(value).to(dtype) for name, value in tensors.items()}
+        if self.lm_head is None:
+            state.pop("lm_head.weight", None)
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        missing = [m for m in missing if m != "inv_freq"]
+        if missing or unexpected:
+            raise ValueError(f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        self.to(dtype)
+        self.inv_freq = self.inv_freq.float()
+        return self
+
+    # -- shared pieces -----------------------------------------------------------------
+    def rotary(self, positions: torch.Tensor, dtype):
+        """cos, sin [N,1,T,D] for integer positions [N,T]."""
+        freqs = positions.unsqueeze(-1).float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.model.norm(h)
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight).float()
+
+    # -- reference: plain causal attention, no cache -----------------------------------
+    def forward_reference(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [N,T,V] of a full causal pass (every row is a whole sequence)."""
+        n, t = tokens.shape
+        h = self.model.embed_tokens(tokens)
+        positions = torch.arange(t).unsqueeze(0).expand(n, t)
+        cos, sin = self.rotary(positions, h.dtype)
+        mask = torch.ones(t, t, dtype=torch.bool).tril().view(1, 1, t, t)
+        for layer in self.model.layers:
+            q, k, v = layer.self_attn.project(layer.input_layernorm(h), cos, sin)
+            h = h + layer.self_attn.attend(q, k, v, mask)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.logits(h)
+
+    # -- paged: what prefill_bs<N> and decode_bs<N> run --------------------------------
+    def forward_paged(
+        self,
+        tokens: torch.Tensor,  # [N, T] i64
+        start_pos: torch.Tensor,  # [N] i64: position of tokens[:, 0]
+        seq_lens: torch.Tensor,  # [N] i64: tokens in the sequence once these are written
+        seq_block_ids: torch.Tensor,  # [N, B] i64: page of each block of the sequence
+        cache: torch.Tensor,  # [pages, page_elems], updated in place
+    ) -> torch.Tensor:
+        """Hidden states [N,T,hidden] after writing the new K/V into the cache.
+
+        Positions at or past seq_len are padding: their K/V go to page 0, which no
+        request owns, so a padded row can never corrupt a live page.
+        """
+        c = self.config
+        stride = self.block_seq_stride
+        layers, kv_heads, head_dim = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+        n, t = tokens.shape
+        blocks = seq_block_ids.shape[1]
+
+        h = self.model.embed_tokens(tokens)
+        positions = start_pos.unsqueeze(1) + torch.arange(t).unsqueeze(0)  # [N,T]
+        cos, sin = self.rotary(positions, h.dtype)
+
+        # Where each new token's K/V goes: page, slot within the page.
+        live = positions < seq_lens.unsqueeze(1)
+        block_index = torch.clamp(positions // stride, max=blocks - 1)
+        write_page = torch.where(live, torch.gather(seq_block_ids, 1, block_index), 0)
+        write_slot = positions % stride
+        # Which cached keys each query may see: real (< seq_len) and not in its future.
+        key_pos = torch.arange(blocks * stride).view(1, 1, -1)
+        mask = torch.logical_and(
+            key_pos < seq_lens.view(n, 1, 1), key_pos <= positions.unsqueeze(-1)
+        ).unsqueeze(1)  # [N,1,T,B*stride]
+
+        # Views of the cache: rows of one head's slot for writing, whole (page, layer, k|v)
+        # slabs for reading.
+        slot_rows = cache.view(-1, head_dim)
+        slabs = cache.view(-1, kv_heads, stride, head_dim)
+        head = torch.arange(kv_heads).view(1, kv_heads, 1)
+
+        for index, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            q, k, v = attn.project(layer.input_layernorm(h), cos, sin)
+            for kv, new in ((0, k), (1, v)):
+                slab = (write_page * layers + index) * 2 + kv  # [N,T]
+                rows = (slab.unsqueeze(1) * kv_heads + head) * stride + write_slot.unsqueeze(1)
+                slot_rows.index_put_((rows,), new.to(cache.dtype))  # rows [N,Hkv,T]
+            read = (seq_block_ids * layers + index) * 2  # [N,B]
+            keys = slabs[read].transpose(1, 2).reshape(n, kv_heads, blocks * stride, head_dim)
+            values = slabs[read + 1].transpose(1, 2).reshape(n, kv_heads, blocks * stride, head_dim)
+            h = h + attn.attend(q, keys.to(q.dtype), values.to(q.dtype), mask)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h

@@ -1,0 +1,119 @@
+"""The config JSON that export writes and the runtime reads: the contract between them.
+
+`model.json` keeps exactly shortfin's ModelParams fields, because shortfin refuses
+unknown keys: that is what lets shortfin serve a Kiln export and Kiln serve a
+sharktank export. What Kiln knows beyond that (vocabulary, stop ids, the shape of
+prefill's logits...) lives in `model.kiln.json` beside it; a sharktank export has
+none, and the runtime then falls back to what it can read off the VMFB.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+KILN_SIDECAR_SUFFIX = ".kiln.json"
+
+_NUMPY_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+
+
+@dataclass
+class PagedKVCacheParams:
+    block_seq_stride: int
+    attention_head_count_kv: int
+    device_block_count: int
+    kv_cache_dtype: str = "float16"
+
+
+@dataclass
+class ModelParams:
+    """shortfin's ModelParams, field for field."""
+
+    max_seq_len: int
+    transformer_block_count: int
+    attn_head_dim: int
+    prefill_batch_sizes: list[int]
+    decode_batch_sizes: list[int]
+    has_prefill_position: bool = False
+    use_extend_attention: bool = False
+    module_name: str = "module"
+    module_abi_version: int = 1
+    logits_normalization: str = "none"
+    attn_dtype: str = "float16"
+    top_k: int | None = None
+    paged_kv_cache: PagedKVCacheParams | None = None
+
+    @property
+    def block_seq_stride(self) -> int:
+        return self.paged_kv_cache.block_seq_stride
+
+    @property
+    def page_elems(self) -> int:
+        """Elements in one page: [layers, 2, kv_heads, stride, head_dim]."""
+        kv = self.paged_kv_cache
+        return (
+            self.transformer_block_count * 2 * kv.attention_head_count_kv
+            * kv.block_seq_stride * self.attn_head_dim
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, values: dict[str, Any]) -> "ModelParams":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known - set(KilnParams.FIELD_NAMES))
+        if unknown:
+            raise ValueError(f"unknown model config keys: {', '.join(unknown)}")
+        values = {k: v for k, v in values.items() if k in known}
+        kv = values.get("paged_kv_cache")
+        if kv is not None:
+            kv_known = {f.name for f in fields(PagedKVCacheParams)}
+            values["paged_kv_cache"] = PagedKVCacheParams(**{k: v for k, v in kv.items() if k in kv_known})
+        return cls(**values)
+
+
+@dataclass
+class KilnParams:
+    """What Kiln's export knows beyond shortfin's fields."""
+
+    vocab_size: int = 0
+    model_name: str = ""
+    architecture: str = "llama"
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    dtype: str = "float32"
+    prefill_final_logits: bool = False  # prefill returns [N, 1, V] at each row's last token
+    hidden_size: int = 0
+    num_attention_heads: int = 0
+    kiln_version: str = ""
+
+    FIELD_NAMES = ()  # filled below
+
+
+KilnParams.FIELD_NAMES = tuple(f.name for f in fields(KilnParams))
+
+
+def sidecar_path(model_json: Path) -> Path:
+    model_json = Path(model_json)
+    return model_json.with_name(model_json.stem + KILN_SIDECAR_SUFFIX)
+
+
+def save_model_config(path: Path, params: ModelParams, kiln: KilnParams) -> None:
+    path = Path(path)
+    path.write_text(json.dumps(params.to_json(), indent=2) + "\n")
+    sidecar_path(path).write_text(json.dumps(asdict(kiln), indent=2) + "\n")
+
+
+def load_model_config(path: Path) -> tuple[ModelParams, KilnParams | None]:
+    """Read model.json (and model.kiln.json when it exists)."""
+    path = Path(path)
+    params = ModelParams.from_json(json.loads(path.read_text()))
+    side = sidecar_path(path)
+    kiln = None
+    if side.exists():
+        values = json.loads(side.read_text())
+        kiln = KilnParams(**{k: v for k, v in values.items() if k in KilnParams.FIELD_NAMES})
+    return params, kiln
