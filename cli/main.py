@@ -13,8 +13,15 @@ import sys
 from . import export_commands
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Usage errors as one line: what was wrong and where to look, no usage dump."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kiln", description="Ahead-of-time compiled LLM serving on IREE.")
+    parser = OneLineParser(prog="kiln", description="Ahead-of-time compiled LLM serving on IREE.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
     export_commands.add_commands(commands)

@@ -32,7 +32,20 @@ def _versions() -> dict[str, str]:
             found[package] = version(package)
         except PackageNotFoundError:
             found[package] = ""
+    found["kiln-export-code"] = export_code_digest()
     return found
+
+
+def export_code_digest() -> str:
+    """A digest of the code that shapes an export, so edited code never reuses stale artifacts."""
+    import kiln.export
+    import kiln.models
+
+    digest = hashlib.sha256()
+    for package in (kiln.models, kiln.export):
+        for path in sorted(Path(package.__path__[0]).glob("*.py")):
+            digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def artifacts_key(model_path: Path | None, options: ExportOptions, extra: dict | None = None) -> str:

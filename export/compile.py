@@ -115,10 +115,13 @@ def compile_vmfb(
 
         started = time.monotonic()
         partial = output.with_name(output.name + ".partial")
-        run_iree_compile(
-            [str(scratch / "consumed.mlir"), "--compile-from=input", *flags, *(extra_flags or []), "-o", str(partial)],
-            f"compiling for {target}",
-        )
-        partial.replace(output)
+        try:
+            run_iree_compile(
+                [str(scratch / "consumed.mlir"), "--compile-from=input", *flags, *(extra_flags or []), "-o", str(partial)],
+                f"compiling for {target}",
+            )
+            partial.replace(output)
+        finally:
+            partial.unlink(missing_ok=True)
         log(f"compiled {output.name} for {target} ({output.stat().st_size / 2**20:.2f} MiB) in {time.monotonic() - started:.1f}s")
     return output

@@ -1,0 +1,334 @@
+"""Load a llama.cpp GGUF file into a `Checkpoint` (HF names, float32 numpy).
+
+GGUF is how many Llama-family models ship (the bundled SmolLM2 among them). We
+dequantize every tensor with `gguf.quants`, rename it to Hugging Face's name, undo
+llama.cpp's Q/K row permutation, and rebuild config and tokenizer from the metadata:
+what comes out equals what transformers loads from the same file.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .checkpoint import Checkpoint
+from .config import LlamaConfig, ModelLoadError
+from .gguf_tokenizer import tokenizer_from_gguf
+
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+
+# GGUF tensor name (without .weight/.bias) -> HF module name.
+GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """HF name for a GGUF tensor name, or None if it is not one of a Llama's tensors."""
+    if m := _LAYER_RE.match(gguf_name):
+        module = LAYER_NAMES.get(m.group(2))
+        return f"model.layers.{m.group(1)}.{module}.{m.group(3)}" if module else None
+    if m := _GLOBAL_RE.match(gguf_name):
+        module = GLOBAL_NAMES.get(m.group(1))
+        return f"{module}.{m.group(2)}" if module else None
+    return None
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert convert_hf_to_gguf's `permute` of q_proj/k_proj rows (weights and biases).
+
+    llama.cpp stores each head's rotary pairs interleaved (x0, x1 adjacent); HF keeps
+    the two halves apart. Rows are `n_head * head_dim`.
+    """
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf's permutation (HF layout -> llama.cpp layout)."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_factors(
+    rope_theta: float, head_dim: int, factor: float, low_freq_factor: float,
+    high_freq_factor: float, original_max_position_embeddings: int,
+) -> np.ndarray:
+    """The `rope_freqs.weight` tensor convert_hf_to_gguf writes for Llama-3 rope scaling
+    (the divisor of each rotary frequency)."""
+    freqs = 1.0 / (np.float32(rope_theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
+    low_wavelen = original_max_position_embeddings / low_freq_factor
+    high_wavelen = original_max_position_embeddings / high_freq_factor
+    out = []
+    for freq in freqs.astype(np.float64):
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (
+                high_freq_factor - low_freq_factor
+            )
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
+def _short(x: float) -> float:
+    """A float32 read back as the short decimal it was written from (9.9999997e-06 -> 1e-05)."""
+    return float(f"{x:.7g}")
+
+
+def _rope_scaling_from_freqs(freqs: np.ndarray, rope_theta: float, head_dim: int) -> dict[str, Any] | None:
+    """Recover HF's `rope_scaling` (rope_type llama3) from a rope_freqs tensor.
+
+    Only the ratios original_context/low_freq_factor and original_context/high_freq_factor
+    are determined by the tensor; we take low_freq_factor = 1 (what every Llama 3.x uses)
+    unless Llama 3.1's own values reproduce it, and check the result reproduces the tensor.
+    """
+    freqs = np.asarray(freqs, dtype=np.float64).reshape(-1)
+    factor = float(freqs.max())
+    if factor <= 1.0 + 1e-6:
+        return None
+    inv = 1.0 / (rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    x = inv / (2 * math.pi)  # 1 / wavelength
+    candidates = [(1.0, 4.0, 8192)]
+    middle = (freqs > 1.0 + 1e-6) & (freqs < factor * (1 - 1e-6))
+    if middle.sum() >= 2:
+        smooth = (1.0 / freqs[middle] - 1.0 / factor) / (1.0 - 1.0 / factor)
+        a, b = np.polyfit(x[middle], smooth, 1)
+        x0, x1 = -b / a, (1.0 - b) / a  # smooth = 0 and smooth = 1: low/orig, high/orig
+        if x0 > 0 and x1 > x0:
+            orig = int(round(1.0 / x0))
+            candidates.append((1.0, float(f"{x1 / x0:.5g}"), orig))
+    for low, high, orig in candidates:
+        scaling = {
+            "rope_type": "llama3",
+            "factor": _short(factor),
+            "low_freq_factor": low,
+            "high_freq_factor": high,
+            "original_max_position_embeddings": orig,
+        }
+        expect = llama3_rope_factors(rope_theta, head_dim, scaling["factor"], low, high, orig)
+        if np.allclose(expect, freqs, rtol=1e-4, atol=1e-6):
+            return scaling
+    raise ModelLoadError(
+        "the GGUF's rope_freqs tensor does not match Llama-3 rope scaling; Kiln cannot run this rope variant"
+    )
+
+
+def _field_value(field) -> Any:
+    from gguf import GGUFValueType
+
+    value = field.contents()
+    if field.types and field.types[0] == GGUFValueType.FLOAT32:
+        value = _short(value)
+    return value
+
+
+def _dequantize(tensor) -> np.ndarray:
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = tensor.tensor_type
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F64,
+                 GGMLQuantizationType.I8, GGMLQuantizationType.I16, GGMLQuantizationType.I32):
+        data = np.asarray(tensor.data)
+    else:
+        try:
+            data = quants.dequantize(tensor.data, qtype)
+        except NotImplementedError as e:
+            raise ModelLoadError(f"tensor {tensor.name}: GGUF type {qtype.name} cannot be dequantized ({e})") from e
+    # A copy: the reader's arrays are views of the memory-mapped file.
+    return np.array(data, dtype=np.float32, copy=True).reshape(shape)
+
+
+def _open(path: Path):
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError/IndexError/KeyError/... on bad input
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+
+
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """All key/value metadata of a GGUF file as plain Python values."""
+    reader = _open(Path(path))
+    try:
+        return {k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    except Exception as e:
+        raise ModelLoadError(f"{path}: corrupt GGUF metadata ({type(e).__name__}: {e})") from e
+
+
+def _config_from_metadata(
+    meta: dict[str, Any], tensor_names: set[str], name: str, embedding_rows: int = 0
+) -> LlamaConfig:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"GGUF architecture {arch!r} is not supported; Kiln runs {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
+
+    def key(k: str, default: Any = None, required: bool = False) -> Any:
+        v = meta.get(f"{arch}.{k}")
+        if v is None:
+            if required:
+                raise ModelLoadError(f"GGUF metadata {arch}.{k} is missing")
+            return default
+        return v
+
+    hidden = int(key("embedding_length", required=True))
+    n_head = int(key("attention.head_count", required=True))
+    n_kv = key("attention.head_count_kv", n_head)
+    if isinstance(n_kv, list) or isinstance(n_head, list):
+        raise ModelLoadError("per-layer head counts are not supported")
+    head_dim = int(key("attention.key_length", 0) or key("rope.dimension_count", 0) or hidden // n_head)
+    rope_theta = float(key("rope.freq_base", 10000.0))
+
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    vocab_size = int(key("vocab_size", 0) or embedding_rows or len(tokens))
+
+    rope_scaling = None
+    scaling_type = key("rope.scaling.type")
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor", 1.0))}
+    elif scaling_type not in (None, "none"):
+        raise ModelLoadError(f"GGUF rope scaling type {scaling_type!r} is not supported")
+
+    eos_ids = []
+    for k in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        v = meta.get(f"tokenizer.ggml.{k}")
+        if v is not None and int(v) not in eos_ids:
+            eos_ids.append(int(v))
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length", required=True)),
+        num_hidden_layers=int(key("block_count", required=True)),
+        num_attention_heads=n_head,
+        num_key_value_heads=int(n_kv),
+        head_dim=head_dim,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(key("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias=any(n.endswith("attn_q.bias") for n in tensor_names),
+        bos_token_id=int(bos) if bos is not None else None,
+        eos_token_ids=eos_ids,
+        architecture=arch,
+        name=str(meta.get("general.name") or name),
+    )
+
+
+def load_gguf(path: str | Path) -> Checkpoint:
+    """Read a GGUF file: config, dequantized float32 tensors in HF names, tokenizer."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file {path} does not exist")
+    reader = _open(path)
+    try:
+        meta = {k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    except Exception as e:
+        raise ModelLoadError(f"{path}: corrupt GGUF metadata ({type(e).__name__}: {e})") from e
+    tensor_names = {t.name for t in reader.tensors}
+    embedding_rows = next((int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight"), 0)
+    config = _config_from_metadata(meta, tensor_names, path.stem, embedding_rows)
+
+    tensors: dict[str, np.ndarray] = {}
+    rope_freqs = None
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            rope_freqs = _dequantize(t)
+            continue
+        hf = hf_tensor_name(t.name)
+        if hf is None:
+            raise ModelLoadError(f"{path}: unexpected tensor {t.name!r} for a {config.architecture} model")
+        try:
+            w = _dequantize(t)
+        except ModelLoadError:
+            raise
+        except Exception as e:
+            raise ModelLoadError(f"{path}: tensor {t.name} is corrupt or truncated ({e})") from e
+        if config.architecture == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
+            n = config.num_attention_heads if ".attn_q." in t.name else config.num_key_value_heads
+            w = unpermute_qk(w, n)
+        tensors[hf] = w
+    del reader
+
+    if rope_freqs is not None:
+        if config.rope_scaling is not None:
+            raise ModelLoadError(f"{path}: both rope_freqs and {config.rope_scaling} rope scaling")
+        config.rope_scaling = _rope_scaling_from_freqs(rope_freqs, config.rope_theta, config.head_dim)
+
+    _check_tensors(config, tensors, path)
+    try:
+        tokenizer_json, tokenizer_config = tokenizer_from_gguf(meta, config.max_position_embeddings)
+    except ModelLoadError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot build the tokenizer from its metadata ({e})") from e
+    return Checkpoint(
+        config=config,
+        tensors=tensors,
+        tokenizer_json=tokenizer_json,
+        tokenizer_config=tokenizer_config,
+        source=str(path),
+    )
+
+
+def _check_tensors(config: LlamaConfig, tensors: dict[str, np.ndarray], path: Path) -> None:
+    c = config
+    q_rows, kv_rows = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    expected = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
+    if not c.tie_word_embeddings:
+        expected["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        expected |= {
+            p + "self_attn.q_proj.weight": (q_rows, c.hidden_size),
+            p + "self_attn.k_proj.weight": (kv_rows, c.hidden_size),
+            p + "self_attn.v_proj.weight": (kv_rows, c.hidden_size),
+            p + "self_attn.o_proj.weight": (c.hidden_size, q_rows),
+            p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+            p + "input_layernorm.weight": (c.hidden_size,),
+            p + "post_attention_layernorm.weight": (c.hidden_size,),
+        }
+        if c.attention_bias:
+            expected |= {
+                p + "self_attn.q_proj.bias": (q_rows,),
+                p + "self_attn.k_proj.bias": (kv_rows,),
+                p + "self_attn.v_proj.bias": (kv_rows,),
+            }
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise ModelLoadError(f"{path}: tensor {name} is missing")
+        if tensors[name].shape != shape:
+            raise ModelLoadError(f"{path}: tensor {name} has shape {tensors[name].shape}, expected {shape}")
+    extra = set(tensors) - set(expected)
+    if extra:
+        raise ModelLoadError(f"{path}: unexpected tensors {sorted(extra)[:5]}")

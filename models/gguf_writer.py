@@ -1,0 +1,166 @@
+"""Write a `Checkpoint` as a llama.cpp-compatible GGUF file.
+
+The tests use it for HF -> GGUF -> HF round trips on a tiny model, and benchmarks
+use it to hand llama.cpp the same weights Kiln serves (an F32/F16 SmolLM2).
+Naming, Q/K permutation, metadata and tokenizer follow llama.cpp's convert_hf_to_gguf.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .checkpoint import Checkpoint
+from .config import ModelLoadError
+from .gguf_loader import GLOBAL_NAMES, LAYER_NAMES, llama3_rope_factors, permute_qk
+from .gguf_tokenizer import tokenizer_to_gguf
+
+WRITE_DTYPES = ("f32", "f16", "q8_0")
+
+_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_HF_GLOBAL_RE = re.compile(r"^(.+)\.(weight|bias)$")
+_TO_GGUF_LAYER = {hf: g for g, hf in LAYER_NAMES.items()}
+_TO_GGUF_GLOBAL = {hf: g for g, hf in GLOBAL_NAMES.items()}
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    """llama.cpp's name for an HF tensor name."""
+    if m := _HF_LAYER_RE.match(hf_name):
+        if m.group(2) in _TO_GGUF_LAYER:
+            return f"blk.{m.group(1)}.{_TO_GGUF_LAYER[m.group(2)]}.{m.group(3)}"
+    elif m := _HF_GLOBAL_RE.match(hf_name):
+        if m.group(1) in _TO_GGUF_GLOBAL:
+            return f"{_TO_GGUF_GLOBAL[m.group(1)]}.{m.group(2)}"
+    raise ModelLoadError(f"tensor {hf_name} has no GGUF name")
+
+
+def _encode(w: np.ndarray, dtype: str):
+    """(data, raw ggml type or None) for one tensor at the requested file type.
+
+    Like llama.cpp, 1-D tensors (norms, biases) stay F32, and Q8_0 falls back to F16
+    for rows that are not a multiple of its 32-element block.
+    """
+    from gguf import GGMLQuantizationType, quants
+
+    if dtype == "f32" or w.ndim == 1:
+        return w.astype(np.float32), None
+    if dtype == "q8_0" and w.shape[-1] % 32 == 0:
+        return quants.quantize(w, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0
+    return w.astype(np.float16), None
+
+
+def _add_value(writer, key: str, value: Any) -> None:
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, (list, tuple)):
+        writer.add_array(key, list(value))
+    else:
+        raise TypeError(f"cannot write {key}={value!r} to GGUF")
+
+
+def write_gguf(checkpoint: Checkpoint, path: str | Path, dtype: str = "f32") -> Path:
+    """Write `checkpoint` to `path` as GGUF with weights in `dtype` (f32, f16 or q8_0)."""
+    import gguf
+
+    if dtype not in WRITE_DTYPES:
+        raise ValueError(f"dtype must be one of {WRITE_DTYPES}, not {dtype!r}")
+    c = checkpoint.config
+    arch = c.architecture
+    if arch not in ("llama", "qwen2"):
+        raise ModelLoadError(f"cannot write architecture {arch!r} to GGUF")
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+
+    w = gguf.GGUFWriter(tmp, arch)
+    w.add_type(gguf.GGUFType.MODEL)
+    if c.name:
+        w.add_name(c.name)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(float(c.rope_theta))
+    w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
+    w.add_vocab_size(c.vocab_size)
+    w.add_rope_dimension_count(c.head_dim)
+    if c.head_dim != c.hidden_size // c.num_attention_heads:
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
+    w.add_file_type(int(file_type))
+    if dtype == "q8_0":
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    rope_freqs = None
+    scaling = c.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(scaling["factor"]))
+    elif rope_type == "llama3":
+        rope_freqs = llama3_rope_factors(
+            c.rope_theta, c.head_dim, float(scaling["factor"]),
+            float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0)),
+            int(scaling.get("original_max_position_embeddings", 8192)),
+        )
+    elif rope_type not in (None, "default"):
+        raise ModelLoadError(f"cannot write rope scaling {scaling} to GGUF")
+
+    # Tokenizer.
+    meta = tokenizer_to_gguf(checkpoint.tokenizer_json, checkpoint.tokenizer_config, c.vocab_size)
+    if "tokenizer.ggml.bos_token_id" not in meta and c.bos_token_id is not None:
+        meta["tokenizer.ggml.bos_token_id"] = c.bos_token_id
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    if eos is None and c.eos_token_ids:
+        eos = meta["tokenizer.ggml.eos_token_id"] = c.eos_token_ids[0]
+    # Further end-of-generation ids: llama.cpp stops on eot and eom too.
+    extra = [i for i in c.eos_token_ids if i != eos]
+    for key, token_id in zip(("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"), extra):
+        meta[key] = token_id
+    for key, value in meta.items():
+        _add_value(w, key, value)
+
+    # Tensors.
+    tensors = checkpoint.tensors
+    order = sorted(tensors, key=_tensor_order)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs)
+    for name in order:
+        if c.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        gname = gguf_tensor_name(name)
+        t = np.asarray(tensors[name], dtype=np.float32)
+        if arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):
+            t = permute_qk(t, c.num_attention_heads if ".attn_q." in gname else c.num_key_value_heads)
+        data, raw = _encode(t, dtype)
+        w.add_tensor(gname, data, raw_dtype=raw)
+
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def _tensor_order(name: str):
+    if m := _HF_LAYER_RE.match(name):
+        return (1, int(m.group(1)), name)
+    return (0 if "embed_tokens" in name else 2, 0, name)

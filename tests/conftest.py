@@ -1,0 +1,100 @@
+"""Session-wide artifacts: each model is exported and compiled once per run.
+
+The tiny random model is built through the real CLI (`kiln export-model`,
+`kiln compile-vmfb`) so those commands are exercised end to end; SmolLM2 goes
+through `kiln.export.build` into Kiln's keyed cache, so local reruns reuse it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_model import make_tiny_checkpoint, write_hf_directory
+
+# Small enough to trace in seconds, large enough for several pages per sequence.
+TINY_EXPORT_ARGS = [
+    "--bs-prefill", "1,4",
+    "--bs-decode", "1,4",
+    "--block-seq-stride", "16",
+    "--max-seq-len", "256",
+    "--device-block-count", "64",
+]
+SMOLLM2_BATCH_SIZES = {"prefill": [1, 4], "decode": [1, 4, 8]}
+
+
+def run_kiln(*args: str, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run the installed `kiln` entry point as a user would."""
+    result = subprocess.run(
+        [sys.executable, "-m", "kiln.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"kiln {' '.join(args)} failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    return result
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint():
+    return make_tiny_checkpoint(seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tiny_checkpoint, tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-hf")
+    write_hf_directory(tiny_checkpoint, directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tiny_checkpoint, tmp_path_factory) -> Path:
+    from kiln.models.gguf_writer import write_gguf
+
+    path = tmp_path_factory.mktemp("tiny-gguf") / "tiny.gguf"
+    write_gguf(tiny_checkpoint, path, dtype="f32")
+    return path
+
+
+def _export_and_compile(model: Path, out: Path) -> Path:
+    run_kiln("export-model", "--model", str(model), "--output-dir", str(out), *TINY_EXPORT_ARGS)
+    run_kiln("compile-vmfb", str(out / "model.mlir"), "--target", "cpu", "-o", str(out / "model_cpu.vmfb"))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_artifacts(tiny_hf_dir, tmp_path_factory) -> Path:
+    """The tiny model from its HF directory, exported and compiled for the CPU."""
+    return _export_and_compile(tiny_hf_dir, tmp_path_factory.mktemp("tiny-artifacts"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_artifacts(tiny_gguf, tmp_path_factory) -> Path:
+    """The same tiny model, from its GGUF form."""
+    return _export_and_compile(tiny_gguf, tmp_path_factory.mktemp("tiny-gguf-artifacts"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint():
+    from kiln.models.checkpoint import load_checkpoint
+
+    return load_checkpoint(None)
+
+
+@pytest.fixture(scope="session")
+def smollm2_artifacts() -> Path:
+    """The bundled SmolLM2-135M-Instruct, float32, compiled for the CPU (cached by key)."""
+    from kiln.export.build import build
+    from kiln.export.options import ExportOptions
+
+    options = ExportOptions(
+        prefill_batch_sizes=SMOLLM2_BATCH_SIZES["prefill"],
+        decode_batch_sizes=SMOLLM2_BATCH_SIZES["decode"],
+        max_seq_len=2048,
+    )
+    return build(None, options, ["cpu"], log=lambda line: print(line, file=sys.stderr))

@@ -1,0 +1,65 @@
+"""The real SmolLM2-135M-Instruct: exported, compiled for the CPU, run through iree.runtime."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from kiln.export.export_model import build_model
+from kiln.export.options import ExportOptions
+from kiln.runtime.program import Artifacts, Program
+from tests.paged_driver import PagedDriver, relative_error
+
+pytestmark = [pytest.mark.e2e, pytest.mark.smollm2]
+
+REFERENCE_PROMPT = "1, 2, 3, 4, 5,"
+REFERENCE_CONTINUATION = " 6, 7, 8, 9, 10, 11, 12, 13, 14,"
+
+
+@pytest.fixture(scope="module")
+def program(smollm2_artifacts):
+    return Program(Artifacts.in_directory(smollm2_artifacts))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_artifacts):
+    return Tokenizer.from_file(str(smollm2_artifacts / "tokenizer.json"))
+
+
+def greedy(program, prompt_ids, steps):
+    driver = PagedDriver(program)
+    seqs = driver.new_sequences(1, len(prompt_ids) + steps)
+    logits = driver.prefill(seqs, [prompt_ids], batch=1)
+    out = [int(logits[0, len(prompt_ids) - 1].argmax())]
+    while len(out) < steps:
+        position = len(prompt_ids) + len(out) - 1
+        out.append(int(driver.decode(seqs, [out[-1]], [position], batch=1)[0, 0].argmax()))
+    return out
+
+
+def test_reference_continuation(program, tokenizer):
+    prompt_ids = tokenizer.encode(REFERENCE_PROMPT, add_special_tokens=False).ids
+    out = greedy(program, prompt_ids, 32)
+    assert tokenizer.decode(out) == REFERENCE_CONTINUATION
+
+
+def test_teacher_forced_logits_match_torch(program, tokenizer, smollm2_checkpoint):
+    reference = build_model(smollm2_checkpoint, ExportOptions().validate(2048))
+    text = REFERENCE_PROMPT + REFERENCE_CONTINUATION
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    with torch.no_grad():
+        want = reference.forward_reference(torch.tensor([ids])).numpy()[0]
+    driver = PagedDriver(program)
+    seqs = driver.new_sequences(4, len(ids))
+    prompt = ids[:30]
+    logits = driver.prefill(seqs[:1], [prompt], batch=1)
+    assert relative_error(logits[0, :30], want[:30]) < 1e-4
+    for position in range(30, len(ids)):
+        logits = driver.decode(seqs[:1], [ids[position]], [position], batch=1)
+        assert relative_error(logits[0, 0], want[position]) < 1e-4
+    # The same prompt as one row of a batch of 4 gives the same logits.
+    batch = driver.prefill(seqs[1:3], [ids[:20], prompt], batch=4)
+    assert relative_error(batch[1, :30], want[:30]) < 1e-4
+    assert relative_error(batch[0, :20], want[:20]) < 1e-4

@@ -1,0 +1,200 @@
+"""A tiny random Llama for tests: config, weights and a real byte-level BPE tokenizer.
+
+`make_tiny_checkpoint()` builds it in memory (well under a second);
+`write_hf_directory()` saves it the way a Hugging Face model repo looks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from kiln.models.checkpoint import Checkpoint
+from kiln.models.config import LlamaConfig
+
+SPECIAL_TOKENS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = 0, 1, 2, 3
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+CORPUS = """\
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
+Once upon a time, in a small village by the sea, there lived an old fisherman and his wife.
+Every morning he went out in his boat, and every evening he came back with fish for the market.
+The weather was cold in the winter and warm in the summer, and the children played on the beach.
+Machine learning models read text as tokens; a tokenizer turns words into numbers and back again.
+Hello, world! How are you today? I am fine, thank you. What is the time? It is ten past three.
+Numbers such as 1, 2, 3, 42, 100 and 2024 appear in text, as do dates like 12 March and prices like $9.99.
+def add(a, b):
+    return a + b
+She said: "It's the best thing I've ever seen, and we'll do it again." They'd agreed, hadn't they?
+Water boils at one hundred degrees; ice melts at zero. The sun rises in the east and sets in the west.
+"""
+
+DEFAULT_CONFIG = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    bos_token_id=BOS_ID,
+    eos_token_ids=[EOS_ID, IM_END_ID],
+    architecture="llama",
+    name="kiln-tiny-llama",
+)
+
+
+def make_tiny_tokenizer(vocab_size: int = 384, add_bos: bool = True) -> Tokenizer:
+    """A byte-level BPE trained on CORPUS to exactly `vocab_size` tokens (deterministic)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS.splitlines(keepends=True) * 4, trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise ValueError(f"the corpus only yields {tok.get_vocab_size()} tokens, not {vocab_size}")
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s>:0 $A:0", pair="<s>:0 $A:0 <s>:1 $B:1", special_tokens=[("<s>", BOS_ID)]
+        )
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def _weights(config: LlamaConfig, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    c = config
+
+    def w(*shape, scale=0.02):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def norm(n):
+        return (1.0 + rng.standard_normal(n) * 0.1).astype(np.float32)
+
+    q_rows, kv_rows = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    t = {"model.embed_tokens.weight": w(c.vocab_size, c.hidden_size, scale=1.0)}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = norm(c.hidden_size)
+        t[p + "self_attn.q_proj.weight"] = w(q_rows, c.hidden_size, scale=c.hidden_size**-0.5)
+        t[p + "self_attn.k_proj.weight"] = w(kv_rows, c.hidden_size, scale=c.hidden_size**-0.5)
+        t[p + "self_attn.v_proj.weight"] = w(kv_rows, c.hidden_size, scale=c.hidden_size**-0.5)
+        t[p + "self_attn.o_proj.weight"] = w(c.hidden_size, q_rows, scale=q_rows**-0.5)
+        if c.attention_bias:
+            t[p + "self_attn.q_proj.bias"] = w(q_rows, scale=0.1)
+            t[p + "self_attn.k_proj.bias"] = w(kv_rows, scale=0.1)
+            t[p + "self_attn.v_proj.bias"] = w(kv_rows, scale=0.1)
+        t[p + "post_attention_layernorm.weight"] = norm(c.hidden_size)
+        t[p + "mlp.gate_proj.weight"] = w(c.intermediate_size, c.hidden_size, scale=c.hidden_size**-0.5)
+        t[p + "mlp.up_proj.weight"] = w(c.intermediate_size, c.hidden_size, scale=c.hidden_size**-0.5)
+        t[p + "mlp.down_proj.weight"] = w(c.hidden_size, c.intermediate_size, scale=c.intermediate_size**-0.5)
+    t["model.norm.weight"] = norm(c.hidden_size)
+    if not c.tie_word_embeddings:
+        t["lm_head.weight"] = w(c.vocab_size, c.hidden_size, scale=c.hidden_size**-0.5)
+    return t
+
+
+def make_tiny_checkpoint(seed: int = 0, add_bos: bool = True, **overrides) -> Checkpoint:
+    """A tiny random Llama; `overrides` replace LlamaConfig fields (e.g. tie_word_embeddings=True)."""
+    config = LlamaConfig(**{**DEFAULT_CONFIG, **overrides})
+    tokenizer = make_tiny_tokenizer(config.vocab_size, add_bos=add_bos)
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": None,
+        "pad_token": "</s>",
+        "add_bos_token": add_bos,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHATML_TEMPLATE,
+        "model_max_length": config.max_position_embeddings,
+    }
+    return Checkpoint(
+        config=config,
+        tensors=_weights(config, seed),
+        tokenizer_json=tokenizer.to_str(),
+        tokenizer_config=tokenizer_config,
+        source=f"tiny(seed={seed})",
+    )
+
+
+def hf_config_dict(config: LlamaConfig) -> dict:
+    """config.json in Hugging Face's format for LlamaForCausalLM / Qwen2ForCausalLM."""
+    qwen = config.architecture == "qwen2"
+    eos = config.eos_token_ids
+    d = {
+        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen else "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": config.rope_scaling,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else list(eos),
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": "float32",
+    }
+    if not qwen:
+        d |= {"attention_bias": config.attention_bias, "mlp_bias": False, "pretraining_tp": 1}
+    return d
+
+
+def write_hf_directory(checkpoint: Checkpoint, directory: str | Path, shards: int = 1) -> Path:
+    """Save `checkpoint` as an HF model directory: config.json, safetensors (one file, or
+    `shards` files with model.safetensors.index.json), tokenizer.json, tokenizer_config.json."""
+    from safetensors.numpy import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(hf_config_dict(checkpoint.config), indent=2))
+    (directory / "tokenizer.json").write_text(checkpoint.tokenizer_json)
+    (directory / "tokenizer_config.json").write_text(json.dumps(checkpoint.tokenizer_config, indent=2))
+    tensors = {k: np.ascontiguousarray(v) for k, v in checkpoint.tensors.items()}
+    if shards <= 1:
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        return directory
+    names = list(tensors)
+    per = -(-len(names) // shards)
+    weight_map, total = {}, 0
+    for s in range(shards):
+        part = names[s * per : (s + 1) * per]
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: tensors[k] for k in part}, str(directory / fname), metadata={"format": "pt"})
+        for k in part:
+            weight_map[k] = fname
+            total += tensors[k].nbytes
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return directory
+
