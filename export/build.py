@@ -8,19 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 
 from kiln.models.checkpoint import load_checkpoint
+from kiln.models.default_model import cache_dir
 
 from .compile import compile_vmfb, target_flags
 from .export_model import export_model
 from .options import ExportOptions
-
-
-def kiln_cache_dir() -> Path:
-    return Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
 
 
 def _versions() -> dict[str, str]:
@@ -82,7 +78,7 @@ def build(
     reuse = output_dir is None  # only a keyed cache directory is known to match these inputs
     if output_dir is None:
         key = artifacts_key(model_path, options, {"arch": arch, "flags": extra_flags or []})
-        output_dir = kiln_cache_dir() / "artifacts" / key
+        output_dir = cache_dir() / "artifacts" / key
     output_dir = Path(output_dir)
     if reuse and (output_dir / "model.json").exists():
         log(f"export: {output_dir} already holds an export, reusing it")

@@ -28,9 +28,11 @@ class Checkpoint:
 def load_checkpoint(path: str | Path | None = None) -> Checkpoint:
     """Load an HF directory, a .gguf file, or (None) the bundled default model."""
     if path is None:
-        from .default_model import default_model_path
+        from .default_model import DEFAULT_MODEL_NAME, default_model_path
 
-        path = default_model_path()
+        checkpoint = load_checkpoint(default_model_path())
+        checkpoint.config.name = DEFAULT_MODEL_NAME
+        return checkpoint
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist")
