@@ -13,7 +13,9 @@ def _log(line: str) -> None:
 
 
 # By name, so that checking an error never imports the module that defines it.
-USER_ERRORS = {"ModelLoadError", "ExportError", "ProgramLoadError"}
+USER_ERRORS = {
+    "ModelLoadError", "ExportError", "ProgramLoadError", "ModelChoiceError", "InvalidRequestError", "ChatTemplateError",
+}
 
 
 def is_user_error(error: Exception) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import export_commands
+from . import export_commands, generate_command
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
     export_commands.add_commands(commands)
+    generate_command.add_command(commands)
     return parser
 
 

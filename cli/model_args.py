@@ -1,0 +1,71 @@
+"""Which compiled model to run: explicit files, an artifacts directory, or a model to build.
+
+Shared by `kiln generate` and `kiln serve`. Building (for `--model` or no
+arguments) needs the export extra; running prebuilt artifacts does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+class ModelChoiceError(Exception):
+    """Conflicting or incomplete model arguments."""
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model (default: the bundled SmolLM2-135M-Instruct, built on first use)")
+    group.add_argument("--artifacts", type=Path, help="a directory from `kiln build` / `kiln export-model` + compile")
+    group.add_argument("--vmfb", type=Path)
+    group.add_argument("--params", type=Path, help="the model's .irpa")
+    group.add_argument("--config", type=Path, help="the model's model.json")
+    group.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: beside the config)")
+    group.add_argument("--model", type=Path, help="HF directory or .gguf to build (export + compile) on first use")
+    group.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+                       help="with --model or the default model: the dtype to build")
+    group.add_argument("--device", default="local-task", help="local-task (CPU), cuda, hip")
+    group.add_argument("--device-ids", default=None, help="device id(s), e.g. 0")
+
+
+def device_name(args) -> str:
+    if args.device_ids:
+        first = str(args.device_ids).split(",")[0].strip()
+        return f"{args.device}://{first}"
+    return args.device
+
+
+def resolve_artifacts(args, log=lambda line: print(line, file=sys.stderr, flush=True)):
+    """Artifacts to load, building them first when a model (or nothing) was named."""
+    from kiln.runtime.program import Artifacts
+
+    explicit = [args.vmfb, args.params, args.config]
+    if any(explicit):
+        if not all(explicit):
+            raise ModelChoiceError("--vmfb, --params and --config go together")
+        if args.artifacts or args.model:
+            raise ModelChoiceError("give either --vmfb/--params/--config, --artifacts or --model, not several")
+        tokenizer = args.tokenizer or args.config.with_name("tokenizer.json")
+        return Artifacts(args.vmfb, args.params, args.config, tokenizer)
+    if args.artifacts:
+        if args.model:
+            raise ModelChoiceError("give either --artifacts or --model, not both")
+        target = "cpu" if args.device.startswith("local") else ("cuda" if args.device.startswith("cuda") else "rocm")
+        artifacts = Artifacts.in_directory(args.artifacts, f"model_{target}.vmfb")
+        if args.tokenizer:
+            artifacts.tokenizer = args.tokenizer
+        return artifacts
+    try:
+        from kiln.export.build import build
+        from kiln.export.options import ExportOptions
+    except ImportError as error:
+        raise ModelChoiceError(
+            f"building a model needs the export extra ({error.name} is missing): "
+            "pip install 'kiln[export]', or pass --artifacts DIR"
+        ) from None
+    if not args.device.startswith("local"):
+        raise ModelChoiceError("building on first use targets the CPU: pass --artifacts for GPU builds")
+    options = ExportOptions(prefill_batch_sizes=[1, 4], decode_batch_sizes=[1, 4, 8, 16], dtype=args.dtype, max_seq_len=4096)
+    directory = build(args.model, options, ["cpu"], log=log)
+    return Artifacts.in_directory(directory, "model_cpu.vmfb")

@@ -1,0 +1,130 @@
+"""From generated token ids to streamed text: UTF-8 safe deltas, and stop strings cut exactly.
+
+Byte-level BPE tokens can end in the middle of a character, so text is released only once
+it decodes cleanly; and text that may be the start of a stop string waits until it is not.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from tokenizers import Tokenizer
+
+# Prompt tokens decoded ahead of the first output token, so that decoders which treat the
+# first token specially (a stripped leading space) see the output in context, as vLLM does.
+_PROMPT_CONTEXT = 5
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Decodes a window [prefix_offset, end) of the ids each step, never the whole output.
+
+    `prefix_text` is the decoding of [prefix_offset, read_offset), already emitted; the new
+    text is what the window adds to it, released once it does not end in a partial character.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._prefix_text: str | None = None  # decoded lazily after the offsets move
+        self._chunks: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return "".join(self._chunks)
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the text it completes (often "", e.g. mid-character)."""
+        self._ids.append(int(token_id))
+        prefix = self._prefix()
+        new = self._decode(self._ids[self._prefix_offset :])
+        if len(new) <= len(prefix) or new.endswith(_REPLACEMENT):
+            return ""
+        return self._advance(new[len(prefix) :])
+
+    def flush(self) -> str:
+        """The text still held at the end (with U+FFFD if the model really produced bad bytes)."""
+        if self._read_offset == len(self._ids):
+            return ""
+        prefix = self._prefix()
+        new = self._decode(self._ids[self._prefix_offset :])
+        return self._advance(new[len(prefix) :])
+
+    def _prefix(self) -> str:
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        return self._prefix_text
+
+    def _advance(self, delta: str) -> str:
+        # The old read position starts the next window; keep only the ids the window needs.
+        del self._ids[: self._read_offset]
+        self._prefix_offset, self._read_offset = 0, len(self._ids)
+        self._prefix_text = None
+        if delta:
+            self._chunks.append(delta)
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+
+class StopChecker:
+    """Finds the earliest stop string in streamed text, across deltas, and holds back
+    whatever could still be the start of one.
+
+        emit, stopped = checker.feed(delta)   # stream `emit`; on `stopped`, finish the sequence
+        tail = checker.finish()               # at the end without a stop: the held text
+    """
+
+    def __init__(self, stop: Sequence[str] = ()):
+        self.stop = [s for s in stop if s]
+        self.stopped = False
+        self._held = ""
+        self._chunks: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """All text released so far: the output cut right before the stop string, once stopped."""
+        return "".join(self._chunks)
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """Add decoded text; return (text safe to stream now, whether a stop string matched)."""
+        if self.stopped:
+            return "", True
+        if not self.stop:
+            return self._emit(delta), False
+        # Everything before the held text was released because no stop string can start
+        # there, so a match, if any, starts inside `buf`.
+        buf = self._held + delta
+        cut = min((i for i in (buf.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            self._held = ""
+            return self._emit(buf[:cut]), True
+        hold = self._partial_match(buf)
+        self._held = buf[len(buf) - hold :] if hold else ""
+        return self._emit(buf[: len(buf) - hold]), False
+
+    def finish(self) -> str:
+        """Release the held text (nothing if a stop string matched)."""
+        held, self._held = self._held, ""
+        return "" if self.stopped else self._emit(held)
+
+    def _partial_match(self, buf: str) -> int:
+        """Length of the longest suffix of `buf` that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+    def _emit(self, text: str) -> str:
+        if text:
+            self._chunks.append(text)
+        return text

@@ -1,0 +1,74 @@
+"""What a KV-cache manager promises the batcher: pages for a sequence's tokens.
+
+Two implementations: `TriePagedAttentionCache` shares full pages between
+sequences with a common prefix; `BasePagedAttentionCache`-derived
+`PlainPagedAttentionCache` gives every sequence its own pages. The method names
+are shortfin's.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from .page_pool import PagePool
+
+
+@dataclass
+class PageAllocation:
+    """The pages one sequence holds, in sequence order."""
+
+    pages: list[int]
+    # Tokens at the start of the sequence whose K/V the pages already hold (a prefix-cache
+    # hit): always a multiple of block_seq_stride and less than the sequence's length, so at
+    # least one token is left to compute.
+    cached_tokens: int = 0
+    # Implementation state (trie nodes referenced, pages published...).
+    handle: Any = field(default=None, repr=False)
+    released: bool = False
+
+
+@dataclass
+class CacheStats:
+    total: int  # pages a request can ever get (page 0 excluded)
+    free: int  # in the pool, never allocated or released
+    cached: int  # held only by the prefix cache: evictable
+    active: int  # referenced by sequences in flight
+    hit_tokens: int = 0  # prefix tokens served from the cache, since start
+
+
+class BasePagedAttentionCache(ABC):
+    def __init__(self, page_pool: PagePool, block_seq_stride: int):
+        self.page_pool = page_pool
+        self.block_seq_stride = block_seq_stride
+
+    def pages_for(self, token_count: int) -> int:
+        return -(-token_count // self.block_seq_stride)
+
+    @abstractmethod
+    def acquire_pages_for_tokens(self, tokens: list[int], extra_token_slots: int = 0) -> PageAllocation | None:
+        """Pages covering len(tokens) + extra_token_slots positions, reusing a cached prefix.
+
+        Returns None, holding nothing, when the pool cannot supply the pages even after
+        evicting what the cache may evict.
+        """
+
+    @abstractmethod
+    def extend_allocation(self, allocation: PageAllocation, token_count: int) -> bool:
+        """Grow `allocation` to cover `token_count` positions; False (unchanged) if no pages."""
+
+    @abstractmethod
+    def publish_allocated_pages(self, allocation: PageAllocation, tokens: list[int]) -> None:
+        """`tokens` (the sequence so far) now have their K/V written: share its full pages."""
+
+    @abstractmethod
+    def free_cache_pages(self, allocation: PageAllocation) -> None:
+        """The sequence is done: drop its references (idempotent)."""
+
+    @abstractmethod
+    def stats(self) -> CacheStats: ...
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the accounting is inconsistent (tests call it after each scenario)."""

@@ -1,0 +1,66 @@
+"""A KV cache without prefix sharing: every sequence gets fresh pages of its own.
+
+The baseline the trie cache is measured against, and the fallback when sharing
+is switched off (e.g. to rule the trie out while debugging).
+"""
+
+from __future__ import annotations
+
+from .base import BasePagedAttentionCache, CacheStats, PageAllocation
+from .page_pool import PagePool
+
+
+class PlainPagedAttentionCache(BasePagedAttentionCache):
+    def __init__(self, page_pool: PagePool, block_seq_stride: int):
+        super().__init__(page_pool, block_seq_stride)
+        # Live allocations by identity, so check_integrity can account for every page.
+        self._live: dict[int, PageAllocation] = {}
+
+    def acquire_pages_for_tokens(self, tokens: list[int], extra_token_slots: int = 0) -> PageAllocation | None:
+        pages = self.page_pool.acquire(self.pages_for(len(tokens) + extra_token_slots))
+        if pages is None:
+            return None
+        allocation = PageAllocation(pages=pages)
+        self._live[id(allocation)] = allocation
+        return allocation
+
+    def extend_allocation(self, allocation: PageAllocation, token_count: int) -> bool:
+        assert not allocation.released, "extend of a freed allocation"
+        missing = self.pages_for(token_count) - len(allocation.pages)
+        if missing <= 0:
+            return True
+        pages = self.page_pool.acquire(missing)
+        if pages is None:
+            return False
+        allocation.pages.extend(pages)
+        return True
+
+    def publish_allocated_pages(self, allocation: PageAllocation, tokens: list[int]) -> None:
+        """Nothing is shared, so there is nothing to publish."""
+
+    def free_cache_pages(self, allocation: PageAllocation) -> None:
+        if allocation.released:
+            return
+        allocation.released = True
+        self._live.pop(id(allocation), None)
+        self.page_pool.release(allocation.pages)
+
+    def stats(self) -> CacheStats:
+        pool = self.page_pool
+        return CacheStats(total=pool.total, free=pool.free_count, cached=0, active=pool.total - pool.free_count)
+
+    def check_integrity(self) -> None:
+        pool = self.page_pool
+        pool.check_integrity()
+        seen: set[int] = set()
+        for allocation in self._live.values():
+            assert not allocation.released, "a freed allocation is still live"
+            assert allocation.cached_tokens == 0, "the plain cache never reports a hit"
+            for page in allocation.pages:
+                assert page != 0, "page 0 was handed to a sequence"
+                assert page not in seen, f"page {page} is held by two sequences"
+                assert pool.refcounts[page] == 1, f"page {page}: refcount {pool.refcounts[page]}, expected 1"
+                seen.add(page)
+        assert len(seen) + pool.free_count == pool.total, (
+            f"{pool.total - pool.free_count - len(seen)} pages leaked (held by no live sequence)"
+        )

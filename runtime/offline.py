@@ -1,0 +1,117 @@
+"""`LLM`: the runtime in-process, without HTTP, for scripts and `kiln generate`.
+
+    from kiln.runtime import LLM, SamplingParams
+    llm = LLM("path/to/artifacts")
+    print(llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))[0].text)
+
+It runs a GenerateService on a private event loop in a background thread, so
+plain synchronous code can call it, and many prompts are batched together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .program import Artifacts
+from .request import Event, TokenLogprob
+from .sampling import SamplingParams
+from .service import GenerateService, ServiceConfig
+
+
+@dataclass
+class Completion:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class GenerationResult:
+    prompt_token_ids: list[int]
+    completions: list[Completion]
+
+    @property
+    def text(self) -> str:
+        return self.completions[0].text
+
+
+class LLM:
+    def __init__(self, artifacts: str | Path | Artifacts, vmfb_name: str = "model_cpu.vmfb", **service_options):
+        if not isinstance(artifacts, Artifacts):
+            artifacts = Artifacts.in_directory(Path(artifacts), vmfb_name)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kiln-llm", daemon=True)
+        self._thread.start()
+        self.service = GenerateService(ServiceConfig(artifacts, **service_options))
+        self._call(self.service.start())
+
+    def _call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def generate(
+        self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | None = None,
+        add_special_tokens: bool = True,
+    ) -> list[GenerationResult]:
+        """Generate for every prompt (text or token ids) at once; results in prompt order."""
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [p if isinstance(p, list) else self.service.encode(p, add_special_tokens) for p in prompts]
+        return self._call(self._generate_all(ids, params))
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, add_special_tokens: bool = True):
+        """Yield Events for one prompt as they are produced."""
+        params = params or SamplingParams()
+        ids = prompt if isinstance(prompt, list) else self.service.encode(prompt, add_special_tokens)
+        events: queue.Queue = queue.Queue()
+        done = object()
+
+        async def pump():
+            try:
+                async for event in self.service.generate(ids, params):
+                    events.put(event)
+            except Exception as error:  # raised again in the caller's thread
+                events.put(error)
+            events.put(done)
+
+        asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        while (item := events.get()) is not done:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    async def _generate_all(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[GenerationResult]:
+        async def one(ids):
+            completions = [Completion() for _ in range(params.n)]
+            async for event in self.service.generate(ids, params):
+                _accumulate(completions[event.index], event)
+            return GenerationResult(ids, completions)
+
+        return list(await asyncio.gather(*(one(ids) for ids in prompt_ids)))
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            self._call(self.service.stop(grace_seconds=0))
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _accumulate(completion: Completion, event: Event) -> None:
+    if event.error:
+        raise RuntimeError(event.error)
+    completion.text += event.text
+    completion.token_ids.extend(event.token_ids)
+    completion.logprobs.extend(event.logprobs)
+    if event.finish_reason:
+        completion.finish_reason = event.finish_reason

@@ -1,0 +1,308 @@
+"""Turning one row of logits into the next token, on the host, with numpy.
+
+The order follows vLLM: penalties, then greedy or (temperature, top-k, top-p, min-p, draw).
+Logprobs come from the raw model logits, and are computed only when a request asks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+MAX_LOGPROBS = 20
+# Below this temperature, sampling is greedy (as vLLM's _SAMPLING_EPS): dividing by it
+# would only turn the distribution into a one-hot one with worse numerics.
+_GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = -1  # -1 or 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF-style, over prompt + output tokens
+    presence_penalty: float = 0.0  # OpenAI-style, over output tokens
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = off; k = the chosen token's logprob and k alternatives
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        # OpenAI's `stop` may be one string; None means "not given" for both lists.
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "SamplingParams":
+        """Build from request fields: None means "use the default"; unknown names are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameters: {', '.join(unknown)}")
+        return cls(**{k: v for k, v in kwargs.items() if v is not None})
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )
+
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        """Raise ValueError naming the first nonsensical field; return self otherwise."""
+        _integer("max_tokens", self.max_tokens, low=1)
+        _number("temperature", self.temperature, low=0.0)
+        _integer("top_k", self.top_k, low=-1)
+        _number("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _number("min_p", self.min_p, low=0.0, high=1.0)
+        _number("repetition_penalty", self.repetition_penalty)
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        if self.seed is not None:
+            _integer("seed", self.seed)
+        _integer("n", self.n, low=1)
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop must not contain empty strings")
+        for t in self.stop_token_ids:
+            _integer("stop_token_ids", t, low=0, high=None if vocab_size is None else vocab_size - 1)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        _integer("min_tokens", self.min_tokens, low=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
+        return self
+
+
+def _integer(name: str, value: Any, low: int | None = None, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    _bounds(name, value, low, high)
+
+
+def _number(name: str, value: Any, low: float | None = None, high: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    _bounds(name, value, low, high)
+
+
+def _bounds(name: str, value: Any, low: Any, high: Any) -> None:
+    if (low is None or value >= low) and (high is None or value <= high):
+        return
+    if low is not None and high is not None:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+    raise ValueError(f"{name} must be {'>= ' + str(low) if low is not None else '<= ' + str(high)}, got {value}")
+
+
+def make_generator(seed: int | None = None, index: int = 0) -> np.random.Generator:
+    """The per-sequence random generator: seeded ones repeat exactly, None draws fresh entropy.
+
+    `index` tells apart the n sequences of one seeded request (index 0 is default_rng(seed)).
+    """
+    if seed is None:
+        return np.random.default_rng()
+    seed = seed % 2**64 if seed < 0 else seed
+    return np.random.default_rng(seed if index == 0 else [seed, index])
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float | None = None  # set when params.logprobs is not None
+    top_logprobs: dict[int, float] | None = None  # the params.logprobs best tokens, best first
+
+
+class SamplingRow(Protocol):
+    """What sample_rows needs from a sequence (the batcher's sequence type has these)."""
+
+    params: SamplingParams
+    rng: np.random.Generator
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+
+
+def apply_penalties(
+    logits: np.ndarray, params: SamplingParams, output_ids: Sequence[int], prompt_ids: Sequence[int] = ()
+) -> np.ndarray:
+    """Repetition (HF), presence and frequency (OpenAI) penalties; a new array, or `logits` if none apply."""
+    if not params.has_penalties:
+        return logits
+    x = np.array(logits, dtype=np.float32)
+    if params.repetition_penalty != 1.0 and (len(prompt_ids) or len(output_ids)):
+        seen = np.unique(np.concatenate([np.asarray(prompt_ids, np.int64), np.asarray(output_ids, np.int64)]))
+        v = x[seen]
+        x[seen] = np.where(v > 0, v / params.repetition_penalty, v * params.repetition_penalty)
+    if (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0) and len(output_ids):
+        ids, counts = np.unique(np.asarray(output_ids, np.int64), return_counts=True)
+        x[ids] -= (counts * params.frequency_penalty + params.presence_penalty).astype(np.float32)
+    return x
+
+
+def compute_logprobs(logits: np.ndarray, token_id: int, k: int) -> tuple[float, dict[int, float]]:
+    """log_softmax(logits)[token_id] and the k most likely tokens (best first, ties by lowest id)."""
+    x = np.asarray(logits, dtype=np.float32)
+    m = float(x.max())
+    lse = m + math.log(float(np.exp(x - m, dtype=np.float32).sum(dtype=np.float64)))
+    top: dict[int, float] = {}
+    k = min(k, x.size)
+    if k > 0:
+        ids = np.argpartition(x, -k)[-k:] if k < x.size else np.arange(x.size)
+        ids = ids[np.lexsort((ids, -x[ids]))]
+        top = {int(i): float(x[i]) - lse for i in ids}
+    return float(x[token_id]) - lse, top
+
+
+class Sampler:
+    """Chooses next tokens; knows the model's EOS ids so min_tokens can hold them back."""
+
+    def __init__(self, eos_token_ids: Sequence[int] = ()):
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+
+    def sample(
+        self,
+        logits: np.ndarray,
+        params: SamplingParams,
+        rng: np.random.Generator,
+        output_ids: Sequence[int] = (),
+        prompt_ids: Sequence[int] = (),
+    ) -> SampleResult:
+        """One token from a float32 row [V] of raw logits."""
+        x = apply_penalties(logits, params, output_ids, prompt_ids)
+        banned = self._banned(params, len(output_ids))
+        if banned:
+            if x is logits:
+                x = np.array(logits, dtype=np.float32)
+            x[banned] = -np.inf
+        token = int(np.argmax(x)) if params.greedy else _draw(x, params, rng)
+        if params.logprobs is None:
+            return SampleResult(token)
+        logprob, top = compute_logprobs(logits, token, params.logprobs)
+        return SampleResult(token, logprob, top)
+
+    def sample_rows(self, logits: np.ndarray, rows: Sequence[SamplingRow]) -> list[SampleResult]:
+        """One token per row of logits [N, V] (N >= len(rows); padded rows are ignored)."""
+        results: list[SampleResult | None] = [None] * len(rows)
+        plain = [i for i, r in enumerate(rows) if self._plain_greedy(r)]
+        if plain:
+            # One argmax over the plain greedy rows: the common case costs one numpy call.
+            for i, t in zip(plain, np.argmax(logits[plain], axis=-1).tolist()):
+                results[i] = SampleResult(t)
+        for i, r in enumerate(rows):
+            if results[i] is None:
+                results[i] = self.sample(logits[i], r.params, r.rng, r.output_ids, r.prompt_ids)
+        return results
+
+    def _plain_greedy(self, row: SamplingRow) -> bool:
+        p = row.params
+        return p.greedy and p.logprobs is None and not p.has_penalties and not self._banned(p, len(row.output_ids))
+
+    def _banned(self, params: SamplingParams, generated: int) -> list[int]:
+        if generated >= params.min_tokens:
+            return []
+        eos = [] if params.ignore_eos else self.eos_token_ids
+        return eos + params.stop_token_ids
+
+
+def _draw(x: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """Temperature, top-k, top-p, min-p, then one draw by inverse CDF (one random number)."""
+    ids: np.ndarray | None = None  # candidate token ids; None while all of the vocabulary is in
+    k = params.top_k
+    if 0 < k < x.size:
+        ids = np.argpartition(x, -k)[-k:]
+        x = x[ids]
+    # float32 throughout: numpy's float64 exp is an order of magnitude slower.
+    p = np.divide(x, params.temperature, dtype=np.float32)
+    top = p.max()
+    if top == -np.inf:  # everything banned: nothing sensible to draw
+        return int(ids[0]) if ids is not None else 0
+    p -= top
+    np.exp(p, out=p)  # unnormalised weights; the best candidate has weight 1
+    if params.top_p < 1.0:
+        nucleus = _nucleus(p, params.top_p)
+        p = p[nucleus]
+        ids = nucleus if ids is None else ids[nucleus]
+    if params.min_p > 0.0:
+        # min_p * max_prob does not depend on normalisation, and the best weight is 1.
+        kept = np.flatnonzero(p >= params.min_p)
+        p = p[kept]
+        ids = kept if ids is None else ids[kept]
+    j = _inverse_cdf(p, rng.random())
+    return int(ids[j]) if ids is not None else j
+
+
+def _nucleus(p: np.ndarray, top_p: float) -> np.ndarray:
+    """Indices of the smallest most-likely set whose mass reaches top_p, best first."""
+    target = top_p * float(p.sum(dtype=np.float64))
+    order = None
+    # The nucleus is a prefix of the descending order: when the best m weights already
+    # reach the target, sorting those m is enough (a full sort of 50k costs milliseconds).
+    for m in (256, 4096):
+        if p.size > 4 * m:
+            best = np.argpartition(p, -m)[-m:]
+            if p[best].sum() >= target:
+                order = best[np.lexsort((best, -p[best]))]
+                break
+    if order is None:
+        order = np.argsort(-p, kind="stable")
+    keep = int(np.searchsorted(np.cumsum(p[order], dtype=np.float64), target, side="left")) + 1
+    return order[:keep]
+
+
+_BLOCK = 256
+
+
+def _inverse_cdf(w: np.ndarray, u: float) -> int:
+    """An index drawn with probability w[i] / sum(w), for u uniform in [0, 1).
+
+    Two levels (block sums, then one block) because a cumsum over 50k weights is slow.
+    """
+    if w.size <= 4 * _BLOCK:
+        return _search(w, u * w.sum())[0]
+    full = w.size - w.size % _BLOCK
+    sums = w[:full].reshape(-1, _BLOCK).sum(axis=1)
+    if full < w.size:
+        sums = np.append(sums, w[full:].sum())
+    b, rest = _search(sums, u * sums.sum())
+    return b * _BLOCK + _search(w[b * _BLOCK : (b + 1) * _BLOCK], rest)[0]
+
+
+def _search(w: np.ndarray, target: float) -> tuple[int, float]:
+    """(First i whose running sum exceeds target, what is left of target inside w[i]).
+
+    Never an index of weight 0, even when rounding puts target past the total.
+    """
+    cum = np.cumsum(w)
+    i = int(np.searchsorted(cum, target, side="right"))
+    if i >= w.size or w[i] <= 0:
+        i = int(np.flatnonzero(w > 0)[-1])
+        return i, float(w[i]) * 0.5
+    return i, float(target - (cum[i - 1] if i else 0.0))

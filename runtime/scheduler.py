@@ -1,0 +1,191 @@
+"""Decides what runs next: a prefill batch or a decode batch. Executes nothing.
+
+Continuous batching: sequences join (admitted when pages allow) and leave
+(finished, aborted) between steps. Prefill and decode alternate while both have
+work, and long prompts are cut into chunks, so a new prompt waits at most one
+step and running sequences keep decoding while it is prefilled. When pages run
+out the youngest sequence is preempted: its pages go back (its full pages stay
+in the prefix cache) and it is recomputed when it is admitted again.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from .kvcache.base import BasePagedAttentionCache
+from .request import Sequence, SequenceStatus
+
+
+@dataclass
+class Batch:
+    kind: str  # "prefill" | "decode"
+    batch_size: int  # the exported function's N (rows past len(seqs) are padding)
+    seqs: list[Sequence]
+    starts: list[int]  # position of each row's first token
+    chunks: list[list[int]]  # the tokens each row feeds
+    # Rows whose logits are sampled: a prefill chunk that completes a fresh prompt, every decode row.
+    samples: list[bool] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerConfig:
+    prefill_batch_sizes: list[int]
+    decode_batch_sizes: list[int]
+    block_seq_stride: int
+    max_seq_len: int
+    chunk_tokens: int = 256  # longest prefill chunk per sequence (a multiple of the stride)
+    max_running: int = 32  # sequences holding pages at once
+    has_prefill_position: bool = True
+
+
+def smallest_fitting(sizes: list[int], count: int) -> int:
+    return next(size for size in sizes if size >= count)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: BasePagedAttentionCache):
+        self.config = config
+        self.cache = cache
+        self.waiting: list[tuple[tuple, Sequence]] = []  # heap by priority, then arrival
+        self.running: list[Sequence] = []
+        self.last_kind = "decode"
+        self.preemptions = 0
+        if not config.has_prefill_position:
+            self.config.chunk_tokens = config.max_seq_len  # no start positions: whole prompts only
+
+    # -- membership -------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        heapq.heappush(self.waiting, (seq.priority_key, seq))
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take a sequence out wherever it is and give its pages back (publishing them first)."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        else:
+            self.waiting = [(k, s) for k, s in self.waiting if s is not seq]
+            heapq.heapify(self.waiting)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def waiting_count(self) -> int:
+        return len(self.waiting)
+
+    # -- the decision -----------------------------------------------------------------
+    def schedule(self) -> Batch | None:
+        self._admit()
+        prefilling = [s for s in self.running if s.in_prefill]
+        decoding = [s for s in self.running if not s.in_prefill]
+        if prefilling and (not decoding or self.last_kind == "decode"):
+            batch = self._prefill_batch(prefilling)
+        elif decoding:
+            batch = self._decode_batch(decoding)
+            if batch is None and prefilling:
+                batch = self._prefill_batch(prefilling)
+        else:
+            batch = None
+        if batch is not None:
+            self.last_kind = batch.kind
+        return batch
+
+    def _admit(self) -> None:
+        """Move waiting sequences to running, in priority order, while pages allow."""
+        max_prefill = self.config.prefill_batch_sizes[-1]
+        deferred = []
+        while self.waiting and len(self.running) < self.config.max_running:
+            if sum(1 for s in self.running if s.in_prefill) >= max_prefill:
+                break
+            key, seq = heapq.heappop(self.waiting)
+            if not seq.can_start():
+                deferred.append((key, seq))
+                continue
+            target = seq.prefill_target
+            allocation = self.cache.acquire_pages_for_tokens(
+                seq.tokens[:target], extra_token_slots=len(seq.tokens) - target
+            )
+            if allocation is None:
+                deferred.append((key, seq))
+                break  # keep priority order: nothing younger jumps the queue
+            seq.allocation = allocation
+            seq.computed = allocation.cached_tokens
+            if seq.index == 0 and not seq.preemptions:
+                seq.request.cached_tokens = allocation.cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        for item in deferred:
+            heapq.heappush(self.waiting, item)
+
+    def _prefill_batch(self, candidates: list[Sequence]) -> Batch:
+        candidates = sorted(candidates, key=lambda s: s.priority_key)[: self.config.prefill_batch_sizes[-1]]
+        starts, chunks, samples = [], [], []
+        for seq in candidates:
+            end = min(seq.prefill_target, seq.computed + self.config.chunk_tokens)
+            starts.append(seq.computed)
+            chunks.append(seq.tokens[seq.computed : end])
+            # A preempted sequence already sampled its last token: nothing to sample here.
+            samples.append(end == seq.prefill_target and end == len(seq.tokens))
+        size = smallest_fitting(self.config.prefill_batch_sizes, len(candidates))
+        return Batch("prefill", size, candidates, starts, chunks, samples)
+
+    def _decode_batch(self, candidates: list[Sequence]) -> Batch | None:
+        # Longest-waiting first, so that more sequences than the largest batch take turns.
+        candidates = sorted(candidates, key=lambda s: (-s.steps_waited, s.priority_key))
+        chosen: list[Sequence] = []
+        for seq in candidates:
+            if len(chosen) == self.config.decode_batch_sizes[-1]:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted to make room for an earlier one
+            if self._ensure_pages(seq, exclude=chosen):
+                chosen.append(seq)
+        for seq in candidates:
+            seq.steps_waited = 0 if seq in chosen else seq.steps_waited + 1
+        if not chosen:
+            return None
+        size = smallest_fitting(self.config.decode_batch_sizes, len(chosen))
+        starts = [len(s.tokens) - 1 for s in chosen]
+        chunks = [[s.tokens[-1]] for s in chosen]
+        return Batch("decode", size, chosen, starts, chunks, [True] * len(chosen))
+
+    # -- pages ------------------------------------------------------------------------
+    def _ensure_pages(self, seq: Sequence, exclude: list[Sequence]) -> bool:
+        """Pages for seq's next token, preempting younger sequences if the pool is dry."""
+        while not self.cache.extend_allocation(seq.allocation, len(seq.tokens)):
+            victim = max(
+                (s for s in self.running if s not in exclude),
+                key=lambda s: (s.request.priority, s.order),
+                default=None,
+            )
+            if victim is None:
+                return False
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Give back seq's pages and queue it to be recomputed from its tokens."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.computed = 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.add(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.allocation is not None:
+            self.cache.publish_allocated_pages(seq.allocation, seq.tokens[: seq.computed])
+            self.cache.free_cache_pages(seq.allocation)
+            seq.allocation = None
+
+    def publish(self, seq: Sequence) -> None:
+        if seq.allocation is not None:
+            self.cache.publish_allocated_pages(seq.allocation, seq.tokens[: seq.computed])

@@ -1,0 +1,266 @@
+"""GenerateService: the one object a server (or `kiln generate`) talks to.
+
+It loads the program, sizes the KV cache, checks each request before it can
+touch the device, and hands back an async iterator of Events per request. A
+caller that stops iterating (a client gone) aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from .batcher import Batcher
+from .executor import Executor
+from .kvcache.page_pool import PagePool
+from .kvcache.plain_cache import PlainPagedAttentionCache
+from .kvcache.trie_cache import TriePagedAttentionCache
+from .program import Artifacts, Program, ProgramLoadError
+from .request import Event, Request
+from .sampling import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger("kiln.service")
+
+
+class ServiceState(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+class InvalidRequestError(ValueError):
+    """The request itself is wrong (HTTP 400): too long, empty, bad ids or parameters."""
+
+
+class ServiceUnavailableError(RuntimeError):
+    """The service cannot take requests now (HTTP 503): loading, draining or queue full."""
+
+
+@dataclass
+class ServiceConfig:
+    artifacts: Artifacts
+    device: str = "local-task"
+    prefix_sharing: str = "trie"  # "trie" | "none"
+    page_count: int = 0  # 0: the export's device_block_count (or the memory budget)
+    memory_budget_bytes: int = 0  # size the cache from bytes instead of a page count
+    chunk_tokens: int = 256
+    max_running: int = 32
+    max_queue: int = 256  # requests waiting before submit answers "busy"
+
+
+@dataclass
+class ServiceStats:
+    state: str
+    waiting_requests: int
+    running_sequences: int
+    pages_total: int
+    pages_free: int
+    pages_cached: int
+    pages_active: int
+    prefix_hit_tokens: int
+    prompt_tokens: int
+    generated_tokens: int
+    preemptions: int
+    steps: dict = field(default_factory=dict)
+
+
+class GenerateService:
+    def __init__(self, config: ServiceConfig):
+        self.config = config
+        self.state = ServiceState.LOADING
+        self.program: Program | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.tokenizer_config: dict = {}
+        self.batcher: Batcher | None = None
+        self.eos_token_ids: list[int] = []
+        self.vocab_size = 0
+
+    # -- lifecycle --------------------------------------------------------------------
+    async def start(self) -> "GenerateService":
+        """Load everything (off the event loop), then start the batcher. LOADING → READY."""
+        await asyncio.get_running_loop().run_in_executor(None, self._load)
+        self.batcher.start()
+        self.state = ServiceState.READY
+        return self
+
+    def _load(self) -> None:
+        config = self.config
+        started = time.monotonic()
+        program = Program(config.artifacts, device=config.device)
+        params = program.params
+        tokenizer_path = config.artifacts.tokenizer or Path(config.artifacts.config).with_name("tokenizer.json")
+        try:
+            self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
+        except Exception as error:
+            raise ProgramLoadError(f"cannot read tokenizer {tokenizer_path}: {error}") from None
+        tokenizer_config_path = Path(tokenizer_path).with_name("tokenizer_config.json")
+        if tokenizer_config_path.exists():
+            self.tokenizer_config = json.loads(tokenizer_config_path.read_text())
+        self.vocab_size = program.kiln.vocab_size or self.tokenizer.get_vocab_size()
+        self.eos_token_ids = list(program.kiln.eos_token_ids) or self._eos_from_tokenizer()
+
+        page_bytes = params.page_elems * program.cache_dtype.itemsize
+        page_count = config.page_count or params.paged_kv_cache.device_block_count
+        if config.memory_budget_bytes:
+            page_count = config.memory_budget_bytes // page_bytes
+        if page_count < 2:
+            raise ProgramLoadError(f"the KV cache needs at least 2 pages of {page_bytes} bytes")
+        pool = PagePool(page_count, program.allocate_cache)
+        cache_class = TriePagedAttentionCache if config.prefix_sharing == "trie" else PlainPagedAttentionCache
+        if not params.has_prefill_position:
+            cache_class = PlainPagedAttentionCache  # without start positions a prefix cannot be skipped
+        cache = cache_class(pool, params.block_seq_stride)
+        chunk = max(params.block_seq_stride, config.chunk_tokens // params.block_seq_stride * params.block_seq_stride)
+        scheduler = Scheduler(
+            SchedulerConfig(
+                prefill_batch_sizes=sorted(params.prefill_batch_sizes),
+                decode_batch_sizes=sorted(params.decode_batch_sizes),
+                block_seq_stride=params.block_seq_stride,
+                max_seq_len=params.max_seq_len,
+                chunk_tokens=chunk,
+                max_running=config.max_running,
+                has_prefill_position=params.has_prefill_position,
+            ),
+            cache,
+        )
+        executor = Executor(program, pool.buffer, page_count, self.vocab_size)
+        self.program, self.cache, self.pool = program, cache, pool
+        self.batcher = Batcher(scheduler, executor, self.tokenizer, self.eos_token_ids, params.max_seq_len)
+        log.info(
+            "loaded %s: %d KV pages of %d tokens (%.0f MiB) in %.1fs",
+            config.artifacts.vmfb, page_count, params.block_seq_stride,
+            page_count * page_bytes / 2**20, time.monotonic() - started,
+        )
+
+    def _eos_from_tokenizer(self) -> list[int]:
+        token = self.tokenizer_config.get("eos_token")
+        if isinstance(token, dict):
+            token = token.get("content")
+        token_id = self.tokenizer.token_to_id(token) if token else None
+        return [token_id] if token_id is not None else []
+
+    async def stop(self, grace_seconds: float = 30.0) -> None:
+        """Stop taking requests, let running ones finish for up to the grace period, abort the rest."""
+        if self.state in (ServiceState.STOPPED, ServiceState.LOADING) or self.batcher is None:
+            self.state = ServiceState.STOPPED
+            return
+        self.state = ServiceState.DRAINING
+        deadline = time.monotonic() + grace_seconds
+        while self.batcher.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for request_id in list(self.batcher.requests):
+            self.batcher.abort(request_id)
+        while self.batcher.requests and time.monotonic() < deadline + 5:
+            await asyncio.sleep(0.02)
+        await self.batcher.stop()
+        self.batcher.executor.close()
+        self.state = ServiceState.STOPPED
+
+    # -- requests ---------------------------------------------------------------------
+    @property
+    def max_seq_len(self) -> int:
+        return self.program.params.max_seq_len
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError for anything the device must never see."""
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty")
+        bad = [t for t in prompt_ids if not isinstance(t, int) or t < 0 or t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        try:
+            params.validate(self.vocab_size)
+        except ValueError as error:
+            raise InvalidRequestError(str(error)) from None
+        total = len(prompt_ids) + params.max_tokens
+        if len(prompt_ids) >= self.max_seq_len or total > self.max_seq_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_seq_len} tokens, but {len(prompt_ids)} prompt "
+                f"tokens + {params.max_tokens} max_tokens were requested"
+            )
+        pages = self.cache.pages_for(total)
+        if pages > self.pool.total:
+            raise InvalidRequestError(
+                f"the request needs {pages} KV-cache pages and the cache has {self.pool.total}: "
+                "lower max_tokens or start the server with a larger cache"
+            )
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[Event]:
+        """Submit and stream Events until all n sequences finish. Leaving early aborts."""
+        request = self.submit(prompt_ids, params, request_id, priority)
+        async for event in self.stream(request):
+            yield event
+
+    def submit(self, prompt_ids, params: SamplingParams, request_id=None, priority: int = 0) -> Request:
+        if self.state is not ServiceState.READY:
+            raise ServiceUnavailableError(f"the service is {self.state.value}, not ready")
+        self.check_request(prompt_ids, params)
+        if self.batcher.scheduler.waiting_count >= self.config.max_queue:
+            raise ServiceUnavailableError(
+                f"the queue is full ({self.config.max_queue} requests waiting): retry later"
+            )
+        request = Request(list(prompt_ids), params, request_id or uuid.uuid4().hex, priority=priority)
+        try:
+            self.batcher.submit(request)
+        except ValueError as error:
+            raise InvalidRequestError(str(error)) from None
+        return request
+
+    async def stream(self, request: Request) -> AsyncIterator[Event]:
+        open_sequences = request.params.n
+        try:
+            while open_sequences:
+                event = await request.events.get()
+                if event.finish_reason is not None:
+                    open_sequences -= 1
+                yield event
+        finally:
+            if open_sequences:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        if self.batcher is not None:
+            self.batcher.abort(request_id)
+
+    def stats(self) -> ServiceStats:
+        if self.batcher is None:
+            return ServiceStats(self.state.value, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        cache = self.cache.stats()
+        scheduler, counters = self.batcher.scheduler, self.batcher.counters
+        return ServiceStats(
+            state=self.state.value,
+            waiting_requests=scheduler.waiting_count,
+            running_sequences=len(scheduler.running),
+            pages_total=cache.total,
+            pages_free=cache.free,
+            pages_cached=cache.cached,
+            pages_active=cache.active,
+            prefix_hit_tokens=cache.hit_tokens,
+            prompt_tokens=counters.prompt_tokens,
+            generated_tokens=counters.generated_tokens,
+            preemptions=scheduler.preemptions,
+            steps={"prefill": counters.prefill_steps, "decode": counters.decode_steps, "failed": counters.failed_batches},
+        )

@@ -1,0 +1,204 @@
+"""runtime/detokenizer.py: UTF-8 safe incremental decoding and stop strings across deltas."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kiln.runtime.detokenizer import IncrementalDetokenizer, StopChecker
+from tests.tiny_model import EOS_ID, IM_END_ID, make_tiny_tokenizer
+
+TEXTS = [
+    "Once upon a time, in a small village by the sea.",
+    "héllo 😀 wörld 日本語 done",
+    "😀😀👩‍👩‍👧 emoji in a row 🎉",
+    "ünïcödé at the end: Ω",
+    "def add(a, b):\n    return a + b\n",
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tiny_tokenizer()
+
+
+def ids_of(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+def stream(tok, ids, prompt="Hello, world!", **kw) -> tuple[list[str], IncrementalDetokenizer]:
+    d = IncrementalDetokenizer(tok, tok.encode(prompt).ids, **kw)
+    deltas = [d.add(i) for i in ids]
+    deltas.append(d.flush())
+    return deltas, d
+
+
+# --- IncrementalDetokenizer -----------------------------------------------------------
+
+
+def test_the_tiny_tokenizer_really_splits_characters(tok):
+    # Otherwise the tests below would not exercise the held-back path.
+    assert len(ids_of(tok, "😀")) == 4
+    assert len(ids_of(tok, "日")) == 3
+    assert "\ufffd" in tok.decode(ids_of(tok, "😀")[:2])
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_deltas_add_up_to_the_full_decode_without_replacement_chars(tok, text):
+    ids = ids_of(tok, text)
+    deltas, d = stream(tok, ids)
+    assert "".join(deltas) == tok.decode(ids) == text
+    assert d.text == text
+    assert not any("\ufffd" in x for x in deltas)
+    assert deltas[-1] == ""  # valid text: nothing left for flush
+
+
+def test_a_split_character_comes_out_whole_on_its_last_byte(tok):
+    ids = ids_of(tok, "a😀")
+    d = IncrementalDetokenizer(tok, [])
+    assert d.add(ids[0]) == "a"
+    assert [d.add(i) for i in ids[1:]] == ["", "", "", "😀"]
+    assert d.flush() == ""
+
+
+def test_invalid_bytes_are_released_by_flush(tok):
+    ids = ids_of(tok, "ab😀")[:-2]  # the model stops half-way through a character
+    deltas, d = stream(tok, ids)
+    assert deltas[-1] == "\ufffd"
+    assert "".join(deltas) == tok.decode(ids) == d.text
+
+
+def test_an_invalid_byte_mid_text_does_not_block_the_rest(tok):
+    ids = ids_of(tok, "😀")[:1] + ids_of(tok, " the sea")
+    deltas, _ = stream(tok, ids)
+    assert "".join(deltas) == tok.decode(ids)
+    assert deltas[-1] == ""
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens(tok, skip):
+    ids = ids_of(tok, "the end") + [IM_END_ID] + ids_of(tok, " 😀") + [EOS_ID]
+    deltas, d = stream(tok, ids, skip_special_tokens=skip)
+    assert d.text == tok.decode(ids, skip_special_tokens=skip)
+    assert ("</s>" in d.text) != skip
+
+
+def test_output_after_the_prompt_keeps_its_leading_space(tok):
+    deltas, d = stream(tok, ids_of(tok, " world"), prompt="Hello")
+    assert d.text == " world"
+
+
+class CountingTokenizer:
+    """Records how many ids each decode call gets."""
+
+    def __init__(self, tok):
+        self.tok, self.lengths = tok, []
+
+    def encode(self, *args, **kwargs):
+        return self.tok.encode(*args, **kwargs)
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.lengths.append(len(ids))
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_each_step_decodes_a_small_window(tok):
+    text = " ".join(TEXTS) * 20
+    ids = ids_of(tok, text)
+    counting = CountingTokenizer(tok)
+    deltas, d = stream(counting, ids, prompt="a long prompt " * 50)
+    assert d.text == text
+    assert max(counting.lengths) <= 12
+    assert len(counting.lengths) <= 2 * len(ids) + 2
+
+
+# --- StopChecker ---------------------------------------------------------------------
+
+
+def feed_all(checker: StopChecker, chunks) -> tuple[list[str], bool]:
+    out, stopped = [], False
+    for c in chunks:
+        emit, stopped = checker.feed(c)
+        out.append(emit)
+        if stopped:
+            break
+    return out, stopped
+
+
+def test_no_stop_strings_pass_everything_through():
+    c = StopChecker([])
+    assert c.feed("abc") == ("abc", False)
+    assert c.finish() == ""
+
+
+def test_a_possible_stop_prefix_is_held_until_disambiguated():
+    c = StopChecker(["\n\nUser"])
+    assert c.feed("Hi") == ("Hi", False)
+    assert c.feed("\n") == ("", False)
+    assert c.feed("\n") == ("", False)
+    assert c.feed("Us") == ("", False)
+    assert c.feed("ed it") == ("\n\nUsed it", False)
+    assert c.feed("\n\nUs") == ("", False)
+    assert c.feed("er: more") == ("", True)
+    assert c.text == "Hi\n\nUsed it"
+    assert c.feed("anything") == ("", True)
+    assert c.finish() == ""
+
+
+def test_finish_releases_held_text():
+    c = StopChecker(["\n\nUser"])
+    assert c.feed("done\n\nUse") == ("done", False)
+    assert c.finish() == "\n\nUse"
+    assert c.text == "done\n\nUse"
+
+
+def test_earliest_stop_wins_and_the_stop_is_excluded():
+    c = StopChecker(["cat", "at the"])
+    assert feed_all(c, ["the c", "at the mat"]) == (["the ", ""], True)
+    assert c.text == "the "
+    c = StopChecker(["ab", "b"])
+    assert feed_all(c, ["xa", "b"]) == (["x", ""], True)
+    c = StopChecker(["STOP"])
+    assert c.feed("STOP right there") == ("", True)
+    assert c.text == ""
+
+
+def test_stop_strings_across_token_boundaries_cut_exactly(tok):
+    text = "Hello, world! How are you today? I am fine, thank you."
+    for stop, expected in [("How are", "Hello, world! "), ("day? I", "Hello, world! How are you to"),
+                           ("ank", "Hello, world! How are you today? I am fine, th"), ("nowhere", text)]:
+        d, c = IncrementalDetokenizer(tok, []), StopChecker([stop])
+        streamed, stopped = [], False
+        for i in ids_of(tok, text):
+            emit, stopped = c.feed(d.add(i))
+            streamed.append(emit)
+            if stopped:
+                break
+        if not stopped:
+            streamed += [c.feed(d.flush())[0], c.finish()]
+        assert "".join(streamed) == c.text == expected
+        assert stopped == (stop != "nowhere")
+
+
+def test_stop_on_a_split_multibyte_character(tok):
+    d, c = IncrementalDetokenizer(tok, []), StopChecker(["😀"])
+    out = [c.feed(d.add(i)) for i in ids_of(tok, "fish 😀 and chips")]
+    assert "".join(e for e, _ in out) == "fish "
+    assert out[-1][1]
+
+
+def test_matches_a_reference_on_random_chunkings():
+    rng = random.Random(0)
+    for _ in range(500):
+        text = "".join(rng.choice("ab\nc") for _ in range(rng.randint(0, 30)))
+        stops = ["".join(rng.choice("ab\nc") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+        expected = text[: min(hits)] if hits else text
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 10))))
+        chunks = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        c = StopChecker(stops)
+        out, stopped = feed_all(c, chunks)
+        tail = c.finish()
+        assert "".join(out) + tail == expected == c.text, (text, stops, chunks)
+        assert stopped == bool(hits)

@@ -1,0 +1,314 @@
+"""GenerateService on the compiled tiny model: batching, prefix cache, pages, aborts, faults."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+
+from kiln.runtime import GenerateService, InvalidRequestError, SamplingParams, ServiceConfig
+from kiln.runtime.executor import InvocationError
+from kiln.runtime.program import Artifacts
+
+pytestmark = pytest.mark.e2e
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+async def started(artifacts_dir, **options) -> GenerateService:
+    return await GenerateService(ServiceConfig(Artifacts.in_directory(artifacts_dir), **options)).start()
+
+
+async def collect(service, prompt, params, **kwargs) -> list[dict]:
+    """Per completion: text, token ids, finish reason."""
+    outs = [{"text": "", "ids": [], "finish": None, "first_token_step": None} for _ in range(params.n)]
+    async for event in service.generate(prompt, params, **kwargs):
+        out = outs[event.index]
+        out["text"] += event.text
+        out["ids"] += event.token_ids
+        if event.finish_reason:
+            out["finish"] = event.finish_reason
+            out["error"] = event.error
+    return outs
+
+
+def assert_no_leaks(service: GenerateService, expect_idle: bool = True):
+    service.cache.check_integrity()
+    stats = service.cache.stats()
+    assert stats.free + stats.cached + stats.active == stats.total
+    if expect_idle:
+        assert stats.active == 0
+        assert service.pool.refcounts[0] == 0
+
+
+def prompts(count, seed=0, low=3, high=60):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(4, 384, int(rng.integers(low, high))).tolist() for _ in range(count)]
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+async def solo_outputs(artifacts, batch, **options):
+    service = await started(artifacts, **options)
+    outs = []
+    for prompt in batch:
+        outs.append((await collect(service, prompt, GREEDY))[0]["ids"])
+    assert_no_leaks(service)
+    await service.stop()
+    return outs
+
+
+def test_batched_equals_solo_and_trie_equals_plain(tiny_artifacts):
+    batch = prompts(6, seed=1)
+
+    async def scenario():
+        solo = await solo_outputs(tiny_artifacts, batch, prefix_sharing="none")
+        for sharing in ("trie", "none"):
+            service = await started(tiny_artifacts, prefix_sharing=sharing)
+            together = await asyncio.gather(*(collect(service, p, GREEDY) for p in batch))
+            assert [t[0]["ids"] for t in together] == solo
+            assert all(t[0]["finish"] == "length" for t in together)
+            assert_no_leaks(service)
+            await service.stop()
+
+    run(scenario())
+
+
+def test_cached_prefix_gives_the_same_tokens_and_skips_prefill(tiny_artifacts):
+    prefix = prompts(1, seed=2, low=50, high=51)[0]
+    first, second = prefix + [7, 8, 9], prefix + [10, 11]
+
+    async def scenario():
+        cold = await solo_outputs(tiny_artifacts, [second], prefix_sharing="none")
+        service = await started(tiny_artifacts, prefix_sharing="trie")
+        await collect(service, first, GREEDY)
+        hits_before = service.stats().prefix_hit_tokens
+        warm = (await collect(service, second, GREEDY))[0]["ids"]
+        assert service.stats().prefix_hit_tokens - hits_before == 48  # three whole pages of 16
+        assert warm == cold[0]
+        assert_no_leaks(service)
+        await service.stop()
+
+    run(scenario())
+
+
+def test_chunked_prefill_equals_whole_prefill(tiny_artifacts):
+    batch = prompts(3, seed=3, low=70, high=120)
+
+    async def scenario():
+        whole = await solo_outputs(tiny_artifacts, batch, chunk_tokens=256)
+        chunked = await solo_outputs(tiny_artifacts, batch, chunk_tokens=16)
+        assert chunked == whole
+
+    run(scenario())
+
+
+def test_a_new_request_is_served_while_others_decode(tiny_artifacts):
+    long_params = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
+
+    async def scenario():
+        service = await started(tiny_artifacts)
+        order = []
+
+        async def tracked(name, prompt, params):
+            async for event in service.generate(prompt, params):
+                if event.token_ids and name not in order:
+                    order.append(name)
+                if event.finish_reason:
+                    order.append(f"{name} done")
+
+        long_ones = [asyncio.create_task(tracked(f"long{i}", p, long_params)) for i, p in enumerate(prompts(2, seed=4))]
+        while "long0" not in order or "long1" not in order:
+            await asyncio.sleep(0.001)
+        await tracked("late", [5, 6, 7], SamplingParams(max_tokens=1, temperature=0))
+        await asyncio.gather(*long_ones)
+        assert order.index("late") < order.index("long0 done")
+        assert order.index("late") < order.index("long1 done")
+        await service.stop()
+
+    run(scenario())
+
+
+def test_more_requests_than_pages_all_complete(tiny_artifacts):
+    # 11 usable pages of 16 tokens; each request needs up to 5 of them.
+    batch = prompts(8, seed=5, low=30, high=50)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+
+    async def scenario():
+        solo_service = await started(tiny_artifacts)
+        solo = [(await collect(solo_service, p, params))[0]["ids"] for p in batch]
+        await solo_service.stop()
+        for sharing in ("trie", "none"):
+            service = await started(tiny_artifacts, page_count=12, prefix_sharing=sharing)
+            together = await asyncio.gather(*(collect(service, p, params) for p in batch))
+            assert [t[0]["ids"] for t in together] == solo
+            assert all(t[0]["finish"] == "length" for t in together)
+            assert service.stats().preemptions > 0 or sharing == "trie"
+            assert_no_leaks(service)
+            await service.stop()
+
+    run(scenario())
+
+
+def test_abort_mid_decode_frees_pages(tiny_artifacts):
+    async def scenario():
+        service = await started(tiny_artifacts)
+        stream = service.generate(prompts(1, seed=6)[0], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        seen = 0
+        async for event in stream:
+            seen += len(event.token_ids)
+            if seen == 5:
+                break
+        await stream.aclose()  # leaving early aborts the request
+        for _ in range(100):
+            if service.cache.stats().active == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert_no_leaks(service)
+        await service.stop()
+
+    run(scenario())
+
+
+def test_200_random_requests_with_random_aborts_leave_every_page_free(tiny_artifacts):
+    rng = random.Random(7)
+
+    async def one(service, index):
+        params = SamplingParams(max_tokens=rng.randint(1, 40), temperature=rng.choice([0, 0.8]), seed=index,
+                                n=rng.choice([1, 1, 1, 2]), ignore_eos=rng.random() < 0.5)
+        prompt = prompts(1, seed=100 + index, low=1, high=90)[0]
+        abort_after = rng.choice([None, None, 0, 1, 3, 10])
+        await asyncio.sleep(rng.random() * 0.05)
+        events = 0
+        stream = service.generate(prompt, params, request_id=f"r{index}")
+        async for _ in stream:
+            events += 1
+            if abort_after is not None and events > abort_after:
+                break
+        await stream.aclose()
+
+    async def scenario():
+        service = await started(tiny_artifacts, page_count=24)
+        await asyncio.gather(*(one(service, i) for i in range(200)))
+        for _ in range(200):
+            if service.cache.stats().active == 0 and not service.batcher.requests:
+                break
+            await asyncio.sleep(0.01)
+        assert_no_leaks(service)
+        stats = service.cache.stats()
+        assert stats.free + stats.cached == stats.total
+        service.cache.evict_all_unreferenced()
+        assert service.cache.stats().free == stats.total
+        await service.stop()
+
+    run(scenario())
+
+
+def test_sampling_rules(tiny_artifacts):
+    prompt = prompts(1, seed=8)[0]
+
+    async def scenario():
+        service = await started(tiny_artifacts)
+        seeded = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+        assert (await collect(service, prompt, seeded)) == (await collect(service, prompt, seeded))
+        greedy = (await collect(service, prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)))[0]
+        top1 = (await collect(service, prompt, SamplingParams(max_tokens=20, temperature=1.5, top_k=1, seed=5,
+                                                              ignore_eos=True)))[0]
+        assert top1["ids"] == greedy["ids"]
+        many = await collect(service, prompt, SamplingParams(max_tokens=20, temperature=1.0, n=3, seed=9, ignore_eos=True))
+        assert len(many) == 3 and all(len(c["ids"]) == 20 for c in many)
+        assert len({tuple(c["ids"]) for c in many}) > 1
+        # A stop string from the middle of the greedy text cuts the output right before it.
+        text = greedy["text"]
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        if stop.strip():
+            cut = (await collect(service, prompt, SamplingParams(max_tokens=20, temperature=0, stop=[stop],
+                                                                 ignore_eos=True)))[0]
+            assert cut["text"] == text[: text.index(stop)]
+            assert cut["finish"] == "stop"
+        assert_no_leaks(service)
+        await service.stop()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    "prompt,params,message",
+    [
+        ([], SamplingParams(), "empty"),
+        ([5] * 250, SamplingParams(max_tokens=10), "maximum context length"),
+        ([5, 384], SamplingParams(), "outside the vocabulary"),
+        ([5, -1], SamplingParams(), "outside the vocabulary"),
+        ([5], SamplingParams(temperature=-1), "temperature"),
+        ([5], SamplingParams(top_p=0), "top_p"),
+        ([5], SamplingParams(n=0), "n"),
+        ([5], SamplingParams(max_tokens=0), "max_tokens"),
+    ],
+    ids=["empty", "too-long", "id-too-big", "negative-id", "temperature", "top-p", "n", "max-tokens"],
+)
+def test_bad_requests_are_refused_and_nothing_else_is_affected(tiny_artifacts, prompt, params, message):
+    async def scenario():
+        service = await started(tiny_artifacts)
+        with pytest.raises(InvalidRequestError, match=message):
+            async for _ in service.generate(prompt, params):
+                pass
+        ok = await collect(service, [5, 6, 7], GREEDY)
+        assert len(ok[0]["ids"]) == 12
+        assert_no_leaks(service)
+        await service.stop()
+
+    try:
+        run(scenario())
+    except ValueError as error:  # SamplingParams may refuse the value as soon as it is built
+        assert message in str(error)
+
+
+def test_a_failed_invocation_fails_its_batch_and_the_service_goes_on(tiny_artifacts):
+    async def scenario():
+        service = await started(tiny_artifacts)
+        executor = service.batcher.executor
+        real = executor._invoke
+        poisoned = {"armed": True}
+
+        def flaky(name, args, read_at, wanted):
+            if poisoned["armed"] and name.startswith("decode"):
+                poisoned["armed"] = False
+                raise RuntimeError("device fault (injected)")
+            return real(name, args, read_at, wanted)
+
+        executor._invoke = flaky
+        failed = await collect(service, [5, 6, 7], GREEDY)
+        assert failed[0]["finish"] == "error" and "device fault" in failed[0]["error"]
+        ok = await collect(service, [5, 6, 7], GREEDY)
+        assert ok[0]["finish"] == "length" and len(ok[0]["ids"]) == 12
+        assert service.stats().steps["failed"] == 1
+        assert_no_leaks(service)
+        await service.stop()
+
+    run(scenario())
+
+
+def test_invalid_arguments_never_reach_the_device(tiny_artifacts):
+    async def scenario():
+        service = await started(tiny_artifacts)
+        executor = service.batcher.executor
+        from kiln.runtime.scheduler import Batch
+
+        class FakeSeq:
+            class request:
+                request_id = "fake"
+
+            class allocation:
+                pages = [999]
+
+        bad_page = Batch("decode", 1, [FakeSeq()], [0], [[5]], [True])
+        with pytest.raises(InvocationError, match="page id"):
+            executor.build_arguments(bad_page)
+        await service.stop()
+
+    run(scenario())

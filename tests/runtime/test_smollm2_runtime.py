@@ -1,0 +1,54 @@
+"""SmolLM2-135M through the whole runtime: the offline LLM API and `kiln generate`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kiln.runtime import LLM, SamplingParams
+from tests.conftest import run_kiln
+from tests.export.test_smollm2 import REFERENCE_CONTINUATION, REFERENCE_PROMPT
+
+pytestmark = [pytest.mark.e2e, pytest.mark.smollm2]
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_artifacts):
+    with LLM(smollm2_artifacts) as llm:
+        yield llm
+
+
+def test_reference_continuation(llm):
+    params = SamplingParams(max_tokens=32, temperature=0)
+    [result] = llm.generate([REFERENCE_PROMPT], params, add_special_tokens=False)
+    assert result.text == REFERENCE_CONTINUATION
+    assert len(result.completions[0].token_ids) == 32
+    assert result.completions[0].finish_reason == "length"
+
+
+def test_batch_of_prompts_matches_solo(llm):
+    params = SamplingParams(max_tokens=16, temperature=0)
+    prompts = ["The capital of France is", REFERENCE_PROMPT, "def fibonacci(n):", "Water boils at"]
+    solo = [llm.generate([p], params)[0].text for p in prompts]
+    together = [r.text for r in llm.generate(prompts, params)]
+    assert together == solo
+    assert llm.service.cache.stats().active == 0
+
+
+def test_chat_stops_at_end_of_turn(llm):
+    from kiln.runtime.chat import render_chat_template
+
+    text = render_chat_template(llm.service.tokenizer_config, [{"role": "user", "content": "What is 2+2?"}])
+    assert text.endswith("<|im_start|>assistant\n")
+    ids = llm.service.encode(text, add_special_tokens=False)
+    [result] = llm.generate([ids], SamplingParams(max_tokens=64, temperature=0))
+    assert result.completions[0].finish_reason == "stop"
+    assert "4" in result.text
+
+
+def test_kiln_generate_command(smollm2_artifacts):
+    result = run_kiln("generate", "--artifacts", str(smollm2_artifacts), "--prompt", REFERENCE_PROMPT,
+                      "--no-special-tokens", "--max-tokens", "32", "--json")
+    out = json.loads(result.stdout)
+    assert out["completions"][0]["text"] == REFERENCE_CONTINUATION
