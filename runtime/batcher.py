@@ -162,7 +162,7 @@ class Batcher:
         delta = "" if finish else seq.detokenizer.add(token)
         text, stopped = seq.stop_checker.feed(delta)
         if stopped:
-            finish, stop_reason = "stop", getattr(seq.stop_checker, "matched", None)
+            finish, stop_reason = "stop", seq.stop_checker.matched
         elif finish is None and (generated >= params.max_tokens or len(seq.tokens) >= self.max_seq_len):
             finish = "length"
         if finish is not None and not stopped:
@@ -170,7 +170,7 @@ class Batcher:
             tail, stopped = seq.stop_checker.feed(seq.detokenizer.flush())
             text += tail
             if stopped:
-                finish, stop_reason = "stop", getattr(seq.stop_checker, "matched", None)
+                finish, stop_reason = "stop", seq.stop_checker.matched
             else:
                 text += seq.stop_checker.finish()
         logprobs = [] if result.logprob is None else [TokenLogprob(token, result.logprob, result.top_logprobs or {})]

@@ -83,6 +83,7 @@ class StopChecker:
     def __init__(self, stop: Sequence[str] = ()):
         self.stop = [s for s in stop if s]
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
         self._held = ""
         self._chunks: list[str] = []
 
@@ -100,8 +101,9 @@ class StopChecker:
         # Everything before the held text was released because no stop string can start
         # there, so a match, if any, starts inside `buf`.
         buf = self._held + delta
-        cut = min((i for i in (buf.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self.stop if (i := buf.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found, key=lambda hit: hit[0])
             self.stopped = True
             self._held = ""
             return self._emit(buf[:cut]), True

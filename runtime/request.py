@@ -84,7 +84,7 @@ class Sequence:
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
         self.preemptions = 0
-        self.steps_waited = 0
+        self.last_served = 0  # when it was last in a decode batch (the scheduler's counter)
         # Filled in by the batcher: incremental detokenizer and stop-string checker.
         self.detokenizer = None
         self.stop_checker = None

@@ -51,6 +51,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.last_kind = "decode"
         self.preemptions = 0
+        self._served = 0  # stamps decode service order, for round-robin
         if not config.has_prefill_position:
             self.config.chunk_tokens = config.max_seq_len  # no start positions: whole prompts only
 
@@ -136,8 +137,8 @@ class Scheduler:
         return Batch("prefill", size, candidates, starts, chunks, samples)
 
     def _decode_batch(self, candidates: list[Sequence]) -> Batch | None:
-        # Longest-waiting first, so that more sequences than the largest batch take turns.
-        candidates = sorted(candidates, key=lambda s: (-s.steps_waited, s.priority_key))
+        # Least recently served first: more sequences than the largest batch take turns.
+        candidates = sorted(candidates, key=lambda s: s.last_served)
         chosen: list[Sequence] = []
         for seq in candidates:
             if len(chosen) == self.config.decode_batch_sizes[-1]:
@@ -146,8 +147,9 @@ class Scheduler:
                 continue  # preempted to make room for an earlier one
             if self._ensure_pages(seq, exclude=chosen):
                 chosen.append(seq)
-        for seq in candidates:
-            seq.steps_waited = 0 if seq in chosen else seq.steps_waited + 1
+        for seq in chosen:
+            self._served += 1
+            seq.last_served = self._served
         if not chosen:
             return None
         size = smallest_fitting(self.config.decode_batch_sizes, len(chosen))

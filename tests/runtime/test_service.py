@@ -312,3 +312,67 @@ def test_invalid_arguments_never_reach_the_device(tiny_artifacts):
         await service.stop()
 
     run(scenario())
+
+
+@pytest.fixture(scope="module")
+def shortfin_style_artifacts(tiny_hf_dir, tmp_path_factory):
+    """The tiny model exported as sharktank does: prefill without start positions, no Kiln sidecar."""
+    from tests.conftest import TINY_EXPORT_ARGS, run_kiln
+
+    out = tmp_path_factory.mktemp("tiny-shortfin-style")
+    run_kiln("export-model", "--model", str(tiny_hf_dir), "--output-dir", str(out), "--no-prefill-position",
+             *TINY_EXPORT_ARGS)
+    run_kiln("compile-vmfb", str(out / "model.mlir"), "--target", "cpu", "-o", str(out / "model_cpu.vmfb"))
+    (out / "model.kiln.json").unlink()
+    return out
+
+
+def test_serves_an_export_without_prefill_positions_or_sidecar(tiny_artifacts, shortfin_style_artifacts):
+    batch = prompts(4, seed=9, low=10, high=70)
+
+    async def scenario():
+        want = await solo_outputs(tiny_artifacts, batch)
+        service = await started(shortfin_style_artifacts)
+        assert not service.program.params.has_prefill_position
+        assert type(service.cache).__name__ == "PlainPagedAttentionCache"
+        got = await asyncio.gather(*(collect(service, p, GREEDY) for p in batch))
+        assert [g[0]["ids"] for g in got] == want
+        assert_no_leaks(service)
+        await service.stop()
+
+    run(scenario())
+
+
+def test_cache_sized_from_a_memory_budget(tiny_artifacts):
+    async def scenario():
+        page_bytes = 2 * 2 * 2 * 16 * 16 * 4  # layers * (k, v) * kv_heads * stride * head_dim * f32
+        service = await started(tiny_artifacts, memory_budget_bytes=page_bytes * 40)
+        assert service.pool.page_count == 40
+        assert len((await collect(service, [5, 6, 7], GREEDY))[0]["ids"]) == 12
+        await service.stop()
+
+    run(scenario())
+
+
+def test_lifecycle_states(tiny_artifacts):
+    from kiln.runtime import ServiceState, ServiceUnavailableError
+
+    async def scenario():
+        service = GenerateService(ServiceConfig(Artifacts.in_directory(tiny_artifacts)))
+        assert service.state is ServiceState.LOADING
+        await service.start()
+        assert service.state is ServiceState.READY
+        long_running = asyncio.create_task(collect(service, [5, 6], SamplingParams(max_tokens=100, temperature=0,
+                                                                                       ignore_eos=True)))
+        await asyncio.sleep(0.01)
+        stopping = asyncio.create_task(service.stop(grace_seconds=30))
+        await asyncio.sleep(0)
+        assert service.state is ServiceState.DRAINING
+        with pytest.raises(ServiceUnavailableError, match="draining"):
+            service.submit([5], GREEDY)
+        finished = await long_running
+        await stopping
+        assert finished[0]["finish"] == "length" and len(finished[0]["ids"]) == 100  # drained, not cut
+        assert service.state is ServiceState.STOPPED
+
+    run(scenario())
