@@ -54,9 +54,21 @@ class BasePagedAttentionCache(ABC):
         evicting what the cache may evict.
         """
 
-    @abstractmethod
     def extend_allocation(self, allocation: PageAllocation, token_count: int) -> bool:
         """Grow `allocation` to cover `token_count` positions; False (unchanged) if no pages."""
+        assert not allocation.released, "extend of a freed allocation"
+        missing = self.pages_for(token_count) - len(allocation.pages)
+        if missing <= 0:
+            return True
+        pages = self._acquire_private(missing)
+        if pages is None:
+            return False
+        allocation.pages.extend(pages)
+        return True
+
+    @abstractmethod
+    def _acquire_private(self, count: int) -> list[int] | None:
+        """`count` pages for one sequence alone (evicting what may be evicted), or None."""
 
     @abstractmethod
     def publish_allocated_pages(self, allocation: PageAllocation, tokens: list[int]) -> None:

@@ -17,23 +17,15 @@ class PlainPagedAttentionCache(BasePagedAttentionCache):
         self._live: dict[int, PageAllocation] = {}
 
     def acquire_pages_for_tokens(self, tokens: list[int], extra_token_slots: int = 0) -> PageAllocation | None:
-        pages = self.page_pool.acquire(self.pages_for(len(tokens) + extra_token_slots))
+        pages = self._acquire_private(self.pages_for(len(tokens) + extra_token_slots))
         if pages is None:
             return None
         allocation = PageAllocation(pages=pages)
         self._live[id(allocation)] = allocation
         return allocation
 
-    def extend_allocation(self, allocation: PageAllocation, token_count: int) -> bool:
-        assert not allocation.released, "extend of a freed allocation"
-        missing = self.pages_for(token_count) - len(allocation.pages)
-        if missing <= 0:
-            return True
-        pages = self.page_pool.acquire(missing)
-        if pages is None:
-            return False
-        allocation.pages.extend(pages)
-        return True
+    def _acquire_private(self, count: int) -> list[int] | None:
+        return self.page_pool.acquire(count)
 
     def publish_allocated_pages(self, allocation: PageAllocation, tokens: list[int]) -> None:
         """Nothing is shared, so there is nothing to publish."""

@@ -89,17 +89,6 @@ class TriePagedAttentionCache(BasePagedAttentionCache):
         self._live[id(allocation)] = allocation
         return allocation
 
-    def extend_allocation(self, allocation: PageAllocation, token_count: int) -> bool:
-        assert not allocation.released, "extend of a freed allocation"
-        missing = self.pages_for(token_count) - len(allocation.pages)
-        if missing <= 0:
-            return True
-        pages = self._acquire_private(missing)
-        if pages is None:
-            return False
-        allocation.pages.extend(pages)
-        return True
-
     def publish_allocated_pages(self, allocation: PageAllocation, tokens: list[int]) -> None:
         """Insert the allocation's full, written pages under its deepest trie node.
 
