@@ -18,7 +18,7 @@ import numpy as np
 from .detokenizer import IncrementalDetokenizer, StopChecker
 from .executor import Executor, InvocationError
 from .request import Event, Request, Sequence, SequenceStatus, TokenLogprob
-from .sampling import Sampler
+from .sampling import Sampler, compute_logprobs_rows
 from .scheduler import Batch, Scheduler
 
 log = logging.getLogger("kiln.batcher")
@@ -135,14 +135,29 @@ class Batcher:
             self.counters.prefill_steps += 1
         else:
             self.counters.decode_steps += 1
-        for seq, chunk, samples, row_logits in zip(batch.seqs, batch.chunks, batch.samples, logits):
+        for seq, start, chunk, samples, row_logits in zip(batch.seqs, batch.starts, batch.chunks, batch.samples, logits):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the batch ran
+            if row_logits is not None and row_logits.ndim == 2:  # every position: prompt logprobs
+                self._record_prompt_logprobs(seq, start, row_logits)
+                row_logits = row_logits[-1]
             seq.computed += len(chunk)
             if batch.kind == "prefill":
                 self.scheduler.publish(seq)
             if samples:
                 self._append_token(seq, row_logits)
+
+    def _record_prompt_logprobs(self, seq: Sequence, start: int, logits: np.ndarray) -> None:
+        """Logits at position p score prompt token p + 1: keep those, by position."""
+        if seq.prompt_logprobs is None:
+            return
+        count = min(len(logits), seq.prompt_len - 1 - start)
+        if count <= 0:
+            return
+        targets = seq.tokens[start + 1 : start + 1 + count]
+        rows = compute_logprobs_rows(logits[:count], targets, seq.request.params.prompt_logprobs)
+        for offset, (token, (logprob, top)) in enumerate(zip(targets, rows)):
+            seq.prompt_logprobs[start + 1 + offset] = TokenLogprob(token, logprob, top)
 
     def _append_token(self, seq: Sequence, logits: np.ndarray) -> None:
         params = seq.request.params
@@ -174,12 +189,14 @@ class Batcher:
             else:
                 text += seq.stop_checker.finish()
         logprobs = [] if result.logprob is None else [TokenLogprob(token, result.logprob, result.top_logprobs or {})]
+        event = Event(seq.index, text=text, token_ids=[token], logprobs=logprobs,
+                      prompt_logprobs=seq.take_prompt_logprobs())
         if finish is None:
-            seq.emit(Event(seq.index, text=text, token_ids=[token], logprobs=logprobs))
+            seq.emit(event)
         else:
             # The last event carries the last token and the reason together.
             self.scheduler.finish(seq, finish)
-            seq.emit(Event(seq.index, text=text, token_ids=[token], logprobs=logprobs,
-                           finish_reason=finish, stop_reason=stop_reason))
+            event.finish_reason, event.stop_reason = finish, stop_reason
+            seq.emit(event)
             if seq.request.finished:
                 self.requests.pop(seq.request.request_id, None)

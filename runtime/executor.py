@@ -45,12 +45,16 @@ class Executor:
         tokens = np.zeros((rows, t), np.int64)
         starts = np.zeros(rows, np.int64)
         seq_lens = np.ones(rows, np.int64)  # padded rows: length 1 on page 0
-        read_at = []
+        read_at: list[int | slice] = []
+        full = batch.full_logits or [False] * len(batch.chunks)
         for row, (start, chunk) in enumerate(zip(batch.starts, batch.chunks)):
             tokens[row, : len(chunk)] = chunk
             starts[row] = start
             seq_lens[row] = start + len(chunk)
-            read_at.append(0 if batch.kind == "decode" or self.final_logits_only else len(chunk) - 1)
+            if batch.kind == "decode" or self.final_logits_only:
+                read_at.append(0)
+            else:  # every position of the chunk for prompt logprobs, else its last
+                read_at.append(slice(0, len(chunk)) if full[row] else len(chunk) - 1)
         blocks = -(-int(seq_lens.max()) // stride)
         table = np.zeros((rows, blocks), np.int64)
         for row, seq in enumerate(batch.seqs):
@@ -71,6 +75,8 @@ class Executor:
             raise InvocationError(f"{len(batch.seqs)} rows for a batch of {batch.batch_size}")
         if batch.kind == "prefill" and tokens.shape[1] % self.stride:
             raise InvocationError(f"prefill length {tokens.shape[1]} is not a multiple of {self.stride}")
+        if any(batch.full_logits) and (batch.kind != "prefill" or self.final_logits_only):
+            raise InvocationError("logits at every position need a prefill that returns them all")
         if not self.has_prefill_position and batch.kind == "prefill" and any(batch.starts):
             raise InvocationError("this export's prefill takes no start position")
         if tokens.min() < 0 or tokens.max() >= self.vocab_size:
@@ -85,7 +91,7 @@ class Executor:
                 raise InvocationError(f"sequence {seq.request.request_id} lacks pages for {seq_lens[row]} tokens")
 
     # -- the call ---------------------------------------------------------------------
-    def _invoke(self, name: str, args: list[np.ndarray], read_at: list[int], wanted: list[bool]) -> list:
+    def _invoke(self, name: str, args: list[np.ndarray], read_at: list[int | slice], wanted: list[bool]) -> list:
         result = self.program.functions[name](*args, self.cache)
         if isinstance(result, tuple):
             raise InvocationError("top-k exports are not served yet: export without --top-k")
@@ -94,7 +100,7 @@ class Executor:
                 for row, (at, want) in enumerate(zip(read_at, wanted))]
 
     async def run(self, batch: Batch) -> list[np.ndarray | None]:
-        """Logits [V] for each row that samples (None for the others)."""
+        """Logits [V] for each row that samples, [len(chunk), V] for full_logits rows, else None."""
         try:
             name, args, read_at = self.build_arguments(batch)
         except InvocationError:
@@ -103,7 +109,9 @@ class Executor:
             raise InvocationError(f"could not build arguments: {error}") from error
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._thread, self._invoke, name, args, read_at, batch.samples)
+            full = batch.full_logits or [False] * len(batch.samples)
+            wanted = [samples or whole for samples, whole in zip(batch.samples, full)]
+            return await loop.run_in_executor(self._thread, self._invoke, name, args, read_at, wanted)
         except InvocationError:
             raise
         except Exception as error:

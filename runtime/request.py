@@ -46,6 +46,8 @@ class Event:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or token that ended it
     error: str | None = None
+    # With params.prompt_logprobs, on sequence 0's first event: one per prompt token (None for the first).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -82,6 +84,9 @@ class Sequence:
         seed = request.params.seed
         self.rng: np.random.Generator = make_generator(seed, index)
         self.logprobs: list[TokenLogprob] = []
+        # Prompt logprobs by position while the prompt is prefilled; None once sent (or never wanted).
+        wanted = index == 0 and request.params.prompt_logprobs is not None
+        self.prompt_logprobs: dict[int, TokenLogprob] | None = {} if wanted else None
         self.finish_reason: str | None = None
         self.preemptions = 0
         self.last_served = 0  # when it was last in a decode batch (the scheduler's counter)
@@ -103,6 +108,18 @@ class Sequence:
         decode step then feeds.
         """
         return len(self.tokens) - 1 if self.output_ids else len(self.tokens)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prefill must compute every prompt position (no prefix reuse) and keep their logits."""
+        return self.prompt_logprobs is not None
+
+    def take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """The prompt's logprobs in order, once (after its prefill); None afterwards."""
+        found, self.prompt_logprobs = self.prompt_logprobs, None
+        if found is None:
+            return None
+        return [None] + [found.get(position) for position in range(1, self.prompt_len)]
 
     @property
     def in_prefill(self) -> bool:

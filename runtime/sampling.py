@@ -34,6 +34,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; k = the chosen token's logprob and k alternatives
+    # None = off; k = each prompt token's logprob (the first has none) and k alternatives.
+    # The whole prompt is computed (no prefix-cache reuse): its logits at every position are needed.
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     skip_special_tokens: bool = True
 
@@ -93,6 +96,8 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _integer("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         _integer("min_tokens", self.min_tokens, low=0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
@@ -179,6 +184,29 @@ def compute_logprobs(logits: np.ndarray, token_id: int, k: int) -> tuple[float, 
         ids = ids[np.lexsort((ids, -x[ids]))]
         top = {int(i): float(x[i]) - lse for i in ids}
     return float(x[token_id]) - lse, top
+
+
+def compute_logprobs_rows(
+    logits: np.ndarray, token_ids: Sequence[int], k: int
+) -> list[tuple[float, dict[int, float]]]:
+    """compute_logprobs for each row of logits [L, V] and its token: what prompt logprobs need.
+
+    Vectorized, since a prompt chunk has hundreds of rows: one log_softmax, top-k by argpartition.
+    """
+    x = np.asarray(logits, dtype=np.float32)
+    m = x.max(axis=-1)
+    lse = m + np.log(np.exp(x - m[:, None], dtype=np.float32).sum(axis=-1, dtype=np.float64))
+    chosen = (x[np.arange(len(x)), np.asarray(token_ids, np.int64)] - lse).tolist()
+    k = min(k, x.shape[-1])
+    if k <= 0:
+        return [(logprob, {}) for logprob in chosen]
+    best = np.argpartition(x, -k, axis=-1)[:, -k:] if k < x.shape[-1] else np.broadcast_to(np.arange(k), x.shape)
+    out = []
+    for row, logprob in enumerate(chosen):
+        ids = best[row]
+        ids = ids[np.lexsort((ids, -x[row, ids]))]  # best first, ties by lowest id
+        out.append((logprob, {int(i): float(x[row, i]) - float(lse[row]) for i in ids}))
+    return out
 
 
 class Sampler:

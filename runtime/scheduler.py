@@ -26,6 +26,8 @@ class Batch:
     chunks: list[list[int]]  # the tokens each row feeds
     # Rows whose logits are sampled: a prefill chunk that completes a fresh prompt, every decode row.
     samples: list[bool] = field(default_factory=list)
+    # Prefill rows that need the logits at every position of their chunk (prompt logprobs).
+    full_logits: list[bool] = field(default_factory=list)
 
 
 @dataclass
@@ -109,8 +111,10 @@ class Scheduler:
                 deferred.append((key, seq))
                 continue
             target = seq.prefill_target
+            # Prompt logprobs need every prompt position computed: match no cached prefix.
+            matchable = [] if seq.wants_prompt_logprobs else seq.tokens[:target]
             allocation = self.cache.acquire_pages_for_tokens(
-                seq.tokens[:target], extra_token_slots=len(seq.tokens) - target
+                matchable, extra_token_slots=len(seq.tokens) - len(matchable)
             )
             if allocation is None:
                 deferred.append((key, seq))
@@ -134,7 +138,8 @@ class Scheduler:
             # A preempted sequence already sampled its last token: nothing to sample here.
             samples.append(end == seq.prefill_target and end == len(seq.tokens))
         size = smallest_fitting(self.config.prefill_batch_sizes, len(candidates))
-        return Batch("prefill", size, candidates, starts, chunks, samples)
+        full_logits = [seq.wants_prompt_logprobs for seq in candidates]
+        return Batch("prefill", size, candidates, starts, chunks, samples, full_logits)
 
     def _decode_batch(self, candidates: list[Sequence]) -> Batch | None:
         # Least recently served first: more sequences than the largest batch take turns.

@@ -172,6 +172,11 @@ class GenerateService:
     def max_seq_len(self) -> int:
         return self.program.params.max_seq_len
 
+    @property
+    def context_capacity(self) -> int:
+        """The most tokens (prompt + output) one sequence can hold: the context, or the whole cache if smaller."""
+        return min(self.max_seq_len, self.pool.total * self.cache.block_seq_stride)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -189,6 +194,8 @@ class GenerateService:
             params.validate(self.vocab_size)
         except ValueError as error:
             raise InvalidRequestError(str(error)) from None
+        if params.prompt_logprobs is not None and self.program.kiln.prefill_final_logits:
+            raise InvalidRequestError("prompt logprobs need every position's logits: this export's prefill returns the last")
         total = len(prompt_ids) + params.max_tokens
         if len(prompt_ids) >= self.max_seq_len or total > self.max_seq_len:
             raise InvalidRequestError(
