@@ -57,8 +57,7 @@ def resolve_artifacts(args, log=lambda line: print(line, file=sys.stderr, flush=
             artifacts.tokenizer = args.tokenizer
         return artifacts
     try:
-        from kiln.export.build import build
-        from kiln.export.options import ExportOptions
+        from kiln.export.build import build, default_build_options
     except ImportError as error:
         raise ModelChoiceError(
             f"building a model needs the export extra ({error.name} is missing): "
@@ -66,6 +65,5 @@ def resolve_artifacts(args, log=lambda line: print(line, file=sys.stderr, flush=
         ) from None
     if not args.device.startswith("local"):
         raise ModelChoiceError("building on first use targets the CPU: pass --artifacts for GPU builds")
-    options = ExportOptions(prefill_batch_sizes=[1, 4], decode_batch_sizes=[1, 4, 8, 16], dtype=args.dtype, max_seq_len=4096)
-    directory = build(args.model, options, ["cpu"], log=log)
+    directory = build(args.model, default_build_options(args.dtype), ["cpu"], log=log)
     return Artifacts.in_directory(directory, "model_cpu.vmfb")

@@ -58,6 +58,14 @@ def artifacts_key(model_path: Path | None, options: ExportOptions, extra: dict |
     return f"{stem}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
 
+def default_build_options(dtype: str = "float32") -> ExportOptions:
+    """What `kiln serve` / `kiln generate` build on first use (and what the tests build):
+    one definition, so both land on the same cache key and the model is built once."""
+    return ExportOptions(
+        prefill_batch_sizes=[1, 4], decode_batch_sizes=[1, 4, 8, 16], dtype=dtype, max_seq_len=4096
+    )
+
+
 def vmfb_name(target: str) -> str:
     return f"model_{target}.vmfb"
 

@@ -24,7 +24,6 @@ TINY_EXPORT_ARGS = [
     "--max-seq-len", "256",
     "--device-block-count", "64",
 ]
-SMOLLM2_BATCH_SIZES = {"prefill": [1, 4], "decode": [1, 4, 8]}
 
 
 def run_kiln(*args: str, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -88,13 +87,8 @@ def smollm2_checkpoint():
 
 @pytest.fixture(scope="session")
 def smollm2_artifacts() -> Path:
-    """The bundled SmolLM2-135M-Instruct, float32, compiled for the CPU (cached by key)."""
-    from kiln.export.build import build
-    from kiln.export.options import ExportOptions
+    """The bundled SmolLM2-135M-Instruct, float32, compiled for the CPU, exactly as `kiln serve`
+    builds it with no model arguments (same options, same cache key), so it is built once."""
+    from kiln.export.build import build, default_build_options
 
-    options = ExportOptions(
-        prefill_batch_sizes=SMOLLM2_BATCH_SIZES["prefill"],
-        decode_batch_sizes=SMOLLM2_BATCH_SIZES["decode"],
-        max_seq_len=2048,
-    )
-    return build(None, options, ["cpu"], log=lambda line: print(line, file=sys.stderr))
+    return build(None, default_build_options(), ["cpu"], log=lambda line: print(line, file=sys.stderr))
