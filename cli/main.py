@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import export_commands, generate_command
+from . import export_commands, generate_command, serve_command
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.required = True
     export_commands.add_commands(commands)
     generate_command.add_command(commands)
+    serve_command.add_command(commands)
     return parser
 
 

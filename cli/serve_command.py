@@ -1,0 +1,120 @@
+"""`kiln serve`: the HTTP server (shortfin's /generate, OpenAI's API, /ws, /health, /metrics).
+
+With no model arguments it serves the bundled SmolLM2, built on first use into Kiln's
+keyed cache. Building (export needs torch) runs in a child process, so the serving
+process itself never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from .model_args import add_model_arguments, device_name, resolve_artifacts
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def add_command(commands) -> None:
+    parser = commands.add_parser("serve", help="serve a compiled model over HTTP (OpenAI API, /generate)")
+    add_model_arguments(parser)
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                        help="name(s) the API answers to (default: the model's)")
+    server.add_argument("--chat-template", metavar="F", help="a Jinja chat template file (or the template itself)")
+    server.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' (repeatable; also $KILN_API_KEY)")
+    server.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                        help="allow browsers from this origin (repeatable; '*' for any)")
+    server.add_argument("--rate-limit", type=_positive_float, default=0.0, metavar="R",
+                        help="requests per second per API key (or client address), bursts of R; 0: off")
+    server.add_argument("--max-body-bytes", type=int, default=16 * 2**20, metavar="N")
+    server.add_argument("--grace-period", type=_positive_float, default=30.0, metavar="S",
+                        help="on SIGTERM/SIGINT, seconds in-flight requests get to finish")
+    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    server.add_argument("--no-access-log", action="store_true")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--prefix-sharing", choices=["trie", "none"], default="trie")
+    engine.add_argument("--max-queue", type=int, default=256, metavar="N",
+                        help="requests waiting before new ones get 503")
+    engine.add_argument("--max-running", type=int, default=32, metavar="N", help="sequences decoding at once")
+    engine.add_argument("--kv-cache-pages", type=int, default=0, metavar="N",
+                        help="KV-cache pages (default: the export's device_block_count)")
+    parser.set_defaults(run=run_serve)
+
+
+def needs_build(args) -> bool:
+    return not (args.vmfb or args.params or args.config or args.artifacts)
+
+
+def resolve_in_child(args):
+    """resolve_artifacts in a spawned process: building imports torch, which the server must not keep."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(resolve_artifacts, args).result()
+
+
+def default_model_names(args, artifacts) -> list[str]:
+    if args.served_model_name:
+        return list(args.served_model_name)
+    if args.model:
+        return [str(args.model)]
+    if needs_build(args):
+        from kiln.models.default_model import DEFAULT_MODEL_NAME
+
+        return [DEFAULT_MODEL_NAME]
+    return [Path(artifacts.config).resolve().parent.name]
+
+
+def read_chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    from kiln.runtime.chat import ChatTemplateError
+
+    raise ChatTemplateError(f"chat template file {value} does not exist")
+
+
+def run_serve(args) -> int:
+    from kiln.runtime.service import ServiceConfig
+    from kiln.server.main import serve
+    from kiln.server.settings import ServerSettings
+
+    artifacts = resolve_in_child(args) if needs_build(args) else resolve_artifacts(args)
+    api_keys = list(args.api_key) + [k for k in os.environ.get("KILN_API_KEY", "").split(",") if k.strip()]
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        served_model_names=default_model_names(args, artifacts),
+        model_root=str(Path(artifacts.config).resolve().parent),
+        chat_template=read_chat_template(args.chat_template),
+        api_keys=[k.strip() for k in api_keys],
+        cors_origins=list(args.cors_origin),
+        rate_limit=args.rate_limit,
+        max_body_bytes=args.max_body_bytes,
+        grace_seconds=args.grace_period,
+        log_requests=not args.no_access_log,
+    )
+    service_config = ServiceConfig(
+        artifacts,
+        device=device_name(args),
+        prefix_sharing=args.prefix_sharing,
+        page_count=args.kv_cache_pages,
+        max_running=args.max_running,
+        max_queue=args.max_queue,
+    )
+    return serve(service_config, settings, log_level=args.log_level)

@@ -1,0 +1,112 @@
+"""The FastAPI app over one GenerateService: routes, middleware, and the service's lifecycle.
+
+The model loads in the background once the app starts, so the server answers from the
+first moment: /health and generation routes say 503 until the service is READY. Draining
+(on SIGTERM, see main.py) stops new requests and gives running ones a grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Callable
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from starlette.middleware.cors import CORSMiddleware
+
+from kiln.runtime.service import GenerateService, ServiceState
+
+from . import generate_routes, openai_routes, websocket_routes
+from .errors import install_error_handlers
+from .logprobs import TokenText
+from .metrics import CONTENT_TYPE, Metrics
+from .middleware import BodyLimit, Guard, RequestContext
+from .settings import ServerSettings
+from .streaming import ClientDisconnected
+
+log = logging.getLogger("kiln.server")
+
+
+def create_app(service: GenerateService, settings: ServerSettings,
+               on_fatal: Callable[[], None] | None = None) -> FastAPI:
+    """`on_fatal` is called when the model cannot be loaded (the runner then exits non-zero)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loader = asyncio.create_task(load(app))
+        try:
+            yield
+        finally:
+            await begin_drain(app)
+            if not loader.done():
+                loader.cancel()
+
+    async def load(app: FastAPI) -> None:
+        try:
+            await service.start()
+        except Exception as error:
+            log.error("could not load the model: %s", error)
+            app.state.load_error = str(error)
+            app.state.exit_code = 1
+            if on_fatal is not None:
+                on_fatal()
+            return
+        app.state.token_text = TokenText(service.tokenizer)
+        log.info("ready: serving %s on http://%s:%d", settings.model_name, settings.host, settings.port)
+
+    app = FastAPI(title="Kiln", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.service = service
+    app.state.settings = settings
+    app.state.metrics = metrics = Metrics(service)
+    app.state.started_at = int(time.time())
+    app.state.load_error = None
+    app.state.exit_code = 0
+    app.state.drain_task = None
+
+    install_error_handlers(app)
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(request: Request, error: ClientDisconnected):
+        return Response(status_code=499)  # nobody reads it; the access log shows who left
+
+    @app.get("/health")
+    async def health():
+        state = service.state
+        body = {"status": "failed" if app.state.load_error else state.value}
+        if app.state.load_error:
+            body["error"] = app.state.load_error
+        return JSONResponse(body, status_code=200 if state is ServiceState.READY else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    app.include_router(openai_routes.router)
+    app.include_router(generate_routes.router)
+    app.include_router(websocket_routes.router)
+
+    # Added innermost first: RequestContext sees every response, errors from the others included.
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(Guard, api_keys=settings.api_keys, rate_limit=settings.rate_limit)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Request-Id", "Retry-After"],
+                           allow_credentials="*" not in settings.cors_origins)
+    app.add_middleware(RequestContext, metrics=metrics, log_requests=settings.log_requests)
+    return app
+
+
+def begin_drain(app: FastAPI) -> asyncio.Task:
+    """Stop taking requests and let running ones finish within the grace period (once)."""
+    if app.state.drain_task is None:
+        service, grace = app.state.service, app.state.settings.grace_seconds
+        log.info("draining: %d request(s) in flight, up to %.0fs to finish", _in_flight(service), grace)
+        app.state.drain_task = asyncio.get_running_loop().create_task(service.stop(grace))
+    return app.state.drain_task
+
+
+def _in_flight(service: GenerateService) -> int:
+    return len(service.batcher.requests) if service.batcher is not None else 0

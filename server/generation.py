@@ -1,0 +1,190 @@
+"""One HTTP request's prompts in flight: submitted together, their events merged, aborted together.
+
+Routes (OpenAI, shortfin, WebSocket) differ in how they format results, not in how they
+run them; this is the part they share. It also times each sequence's tokens for the
+latency histograms. Leaving `events()` early, for whatever reason (a client gone, a
+cancelled task), aborts every prompt still running, so their pages return at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from kiln.runtime.request import Event, Request, TokenLogprob
+from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.service import GenerateService, ServiceState
+
+from .errors import APIError, from_runtime, invalid_request, server_error, unavailable
+from .metrics import Metrics
+
+
+def require_ready(service: GenerateService) -> None:
+    """503 until the model is loaded, and once the server drains."""
+    if service.state is not ServiceState.READY:
+        state = service.state.value
+        message = "the model is still loading: retry shortly" if state == "loading" else f"the server is {state}"
+        raise unavailable(message, "not_ready", retry_after=5 if state == "loading" else 1)
+
+
+def failure_of(outcome) -> APIError | None:
+    """The error a client sees for a sequence (Choice or Event) that failed or was aborted."""
+    if outcome.finish_reason == "error":
+        return server_error(f"generation failed: {outcome.error}")
+    if outcome.finish_reason == "abort":
+        return unavailable("the server is shutting down: the request was aborted", "not_ready")
+    return None
+
+
+@dataclass
+class Choice:
+    """One sequence's accumulated output."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+
+    def add(self, event: Event) -> None:
+        self.text += event.text
+        self.token_ids.extend(event.token_ids)
+        self.logprobs.extend(event.logprobs)
+        if event.finish_reason:
+            self.finish_reason, self.stop_reason, self.error = event.finish_reason, event.stop_reason, event.error
+
+
+@dataclass
+class PromptResult:
+    prompt_ids: list[int]
+    choices: list[Choice]
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    cached_tokens: int = 0
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def to_json(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+class Generation:
+    def __init__(self, service: GenerateService, metrics: Metrics | None, prompts: list[list[int]],
+                 params: list[SamplingParams], request_ids: list[str], priority: int = 0):
+        self.service = service
+        self.metrics = metrics
+        self.prompts = prompts
+        self.params = params
+        self.request_ids = request_ids
+        self.priority = priority
+        self.requests: list[Request] = []
+        self.completion_tokens = 0
+        self._started = 0.0
+        self._last_token: dict[tuple[int, int], float] = {}
+
+    # -- in ---------------------------------------------------------------------------------
+    def submit(self) -> "Generation":
+        """Submit every prompt, or none: a bad prompt or a full queue withdraws the others."""
+        self._started = time.monotonic()
+        many = len(self.prompts) > 1
+        try:
+            for index, (ids, params, request_id) in enumerate(zip(self.prompts, self.params, self.request_ids)):
+                try:
+                    self.requests.append(self.service.submit(ids, params, request_id, self.priority))
+                except Exception as error:
+                    api_error = from_runtime(error)
+                    if many and api_error.status == 400:
+                        api_error = invalid_request(f"prompt {index}: {api_error.message}", api_error.param)
+                    raise api_error from None
+        except BaseException:
+            self.abort()
+            raise
+        return self
+
+    # -- out --------------------------------------------------------------------------------
+    async def events(self) -> AsyncIterator[tuple[int, Event]]:
+        """(prompt index, event) as they come, until every sequence of every prompt finishes."""
+        try:
+            if len(self.requests) == 1:
+                async for event in self.service.stream(self.requests[0]):
+                    self._observe(0, event)
+                    yield 0, event
+                return
+            merged: asyncio.Queue = asyncio.Queue()
+            done = object()
+
+            async def pump(index: int, request: Request):
+                try:
+                    async for event in self.service.stream(request):
+                        merged.put_nowait((index, event))
+                finally:
+                    merged.put_nowait(done)
+
+            pumps = [asyncio.create_task(pump(i, r)) for i, r in enumerate(self.requests)]
+            try:
+                open_pumps = len(pumps)
+                while open_pumps:
+                    item = await merged.get()
+                    if item is done:
+                        open_pumps -= 1
+                        continue
+                    self._observe(*item)
+                    yield item
+            finally:
+                for task in pumps:
+                    task.cancel()
+        finally:
+            self.abort()
+
+    async def collect(self) -> list[PromptResult]:
+        results = [PromptResult(list(ids), [Choice() for _ in range(p.n)]) for ids, p in zip(self.prompts, self.params)]
+        async with contextlib.aclosing(self.events()) as events:
+            async for index, event in events:
+                results[index].choices[event.index].add(event)
+                if event.prompt_logprobs is not None:
+                    results[index].prompt_logprobs = event.prompt_logprobs
+        for result, request in zip(results, self.requests):
+            result.cached_tokens = request.cached_tokens
+        return results
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=sum(len(ids) for ids in self.prompts),
+            completion_tokens=self.completion_tokens,
+            cached_tokens=sum(r.cached_tokens for r in self.requests),
+        )
+
+    def abort(self) -> None:
+        """Stop whatever is still running (idempotent; finished requests are left alone)."""
+        for request in self.requests:
+            if not request.finished:
+                self.service.abort(request.request_id)
+
+    def _observe(self, index: int, event: Event) -> None:
+        now = time.monotonic()
+        key = (index, event.index)
+        if event.token_ids:
+            self.completion_tokens += len(event.token_ids)
+            if self.metrics is not None:
+                last = self._last_token.get(key)
+                if last is None:
+                    self.metrics.time_to_first_token.observe(now - self._started)
+                else:
+                    self.metrics.inter_token_latency.observe(now - last)
+            self._last_token[key] = now
+        if event.finish_reason and self.metrics is not None:
+            self.metrics.finished.labels(event.finish_reason).inc()
+            self.metrics.request_latency.observe(now - self._started)

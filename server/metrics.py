@@ -1,0 +1,76 @@
+"""Prometheus metrics: what the HTTP layer observes, plus the service's own counters at scrape time.
+
+Each app has its own registry, so several apps (tests) never share or clash. Gauges and
+counters owned by the runtime (queue, pages, tokens) are read from GenerateService.stats()
+when /metrics is scraped, never copied.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kiln.runtime.service import GenerateService
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8, 25.6, 60.0, 120.0)
+
+
+class ServiceCollector(Collector):
+    """The service's queue, pages and token counters, read at each scrape."""
+
+    def __init__(self, service: GenerateService):
+        self.service = service
+
+    def collect(self):
+        stats = self.service.stats()
+        gauges = {
+            "kiln_requests_waiting": ("requests waiting to be scheduled (the queue)", stats.waiting_requests),
+            "kiln_sequences_running": ("sequences holding KV pages (prefilling or decoding)", stats.running_sequences),
+            "kiln_kv_pages_total": ("KV-cache pages a request can get", stats.pages_total),
+            "kiln_kv_pages_free": ("KV-cache pages never allocated or released", stats.pages_free),
+            "kiln_kv_pages_cached": ("KV-cache pages held only by the prefix cache (evictable)", stats.pages_cached),
+            "kiln_kv_pages_active": ("KV-cache pages referenced by requests in flight", stats.pages_active),
+        }
+        for name, (documentation, value) in gauges.items():
+            yield GaugeMetricFamily(name, documentation, value=value)
+        ready = GaugeMetricFamily("kiln_service_state", "1 for the service's current state", labels=["state"])
+        ready.add_metric([stats.state], 1)
+        yield ready
+        counters = {
+            "kiln_prompt_tokens": ("prompt tokens submitted", stats.prompt_tokens),
+            "kiln_generation_tokens": ("tokens generated", stats.generated_tokens),
+            "kiln_prefix_cache_hit_tokens": ("prompt tokens served from the prefix cache", stats.prefix_hit_tokens),
+            "kiln_preemptions": ("sequences preempted for lack of KV pages", stats.preemptions),
+        }
+        for name, (documentation, value) in counters.items():
+            yield CounterMetricFamily(name, documentation, value=value)
+        steps = CounterMetricFamily("kiln_model_steps", "batches run on the device, by kind", labels=["kind"])
+        for kind, count in stats.steps.items():
+            steps.add_metric([kind], count)
+        yield steps
+
+
+class Metrics:
+    def __init__(self, service: GenerateService):
+        disable_created_metrics()  # no `_created` series beside every counter (process-wide, as intended here)
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kiln_requests", "HTTP requests by route and status",
+                                ["route", "method", "status"], registry=self.registry)
+        self.time_to_first_token = Histogram("kiln_time_to_first_token_seconds",
+                                             "from submission to a sequence's first token",
+                                             buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.inter_token_latency = Histogram("kiln_inter_token_latency_seconds",
+                                             "between consecutive tokens of a sequence",
+                                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.request_latency = Histogram("kiln_request_latency_seconds", "from submission to the last token",
+                                         buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.finished = Counter("kiln_sequences_finished", "sequences finished, by reason", ["reason"],
+                                registry=self.registry)
+        self.registry.register(ServiceCollector(service))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,261 @@
+"""OpenAI's API: /v1/models, /v1/completions, /v1/chat/completions, plain and streaming.
+
+Responses follow OpenAI's schema field for field (plus vLLM's `stop_reason`), so the
+official SDK and tools built on it (lm-eval's local-completions among them) work unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from kiln.runtime.chat import render_chat_template
+from kiln.runtime.service import GenerateService, ServiceState
+
+from .errors import error_body, invalid_request, model_not_found
+from .generation import Choice, Generation, failure_of, require_ready
+from .logprobs import TokenText, chat_logprobs, completion_logprobs, join_completion_logprobs
+from .params import check_logprobs, openai_params
+from .protocol import ChatCompletionRequest, CompletionRequest, OpenAISampling
+from .streaming import DONE, EventStream, sse, unless_disconnected
+
+router = APIRouter()
+
+# Keywords render_chat_template sets itself; chat_template_kwargs may not replace them.
+_TEMPLATE_RESERVED = {"messages", "add_generation_prompt", "template", "tokenizer_config", "bos_token", "eos_token"}
+
+
+# -- shared ---------------------------------------------------------------------------------
+def prepare(request: Request, body: OpenAISampling):
+    """The app's parts, after the checks every generation route makes first."""
+    state = request.app.state
+    settings, service = state.settings, state.service
+    if not settings.knows_model(body.model):
+        raise model_not_found(body.model, settings.served_model_names)
+    require_ready(service)
+    if not 1 <= body.n <= settings.max_n:
+        raise invalid_request(f"n must be in [1, {settings.max_n}], got {body.n}", param="n")
+    return state, service, settings
+
+
+def include_usage(body: OpenAISampling) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+# -- /v1/models -----------------------------------------------------------------------------
+@router.get("/v1/models")
+async def list_models(request: Request):
+    state = request.app.state
+    service, settings = state.service, state.settings
+    max_len = service.max_seq_len if service.state is ServiceState.READY else None
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": state.started_at, "owned_by": "kiln",
+         "root": settings.model_root, "max_model_len": max_len}
+        for name in settings.served_model_names
+    ]}
+
+
+# -- /v1/completions ------------------------------------------------------------------------
+def completion_prompts(service: GenerateService, body: CompletionRequest, limit: int) -> tuple[list[list[int]], list[str]]:
+    """Token ids and text of each prompt: a string, strings, token ids, or lists of token ids."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        texts = [prompt]
+    elif prompt and all(isinstance(p, str) for p in prompt):
+        texts = list(prompt)
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        return [list(prompt)], [service.decode(list(prompt), skip_special_tokens=False)]
+    elif prompt and all(isinstance(p, list) for p in prompt):
+        if len(prompt) > limit:
+            raise invalid_request(f"at most {limit} prompts per request, got {len(prompt)}", param="prompt")
+        return [list(p) for p in prompt], [service.decode(list(p), skip_special_tokens=False) for p in prompt]
+    else:
+        raise invalid_request("prompt must be a string, a list of strings or token ids, and not empty", param="prompt")
+    if len(texts) > limit:
+        raise invalid_request(f"at most {limit} prompts per request, got {len(texts)}", param="prompt")
+    return [service.encode(t, add_special_tokens=body.add_special_tokens) for t in texts], texts
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    state, service, settings = prepare(request, body)
+    if body.suffix:
+        raise invalid_request("suffix is not supported", param="suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise invalid_request("best_of is not supported (other than equal to n)", param="best_of")
+    logprobs = check_logprobs(body.logprobs, "logprobs")
+    prompts, texts = completion_prompts(service, body, settings.max_prompts)
+    # echo with max_tokens 0 (what older lm-eval sends for loglikelihood): the prompt alone,
+    # scored; one token is generated to run the prefill, and dropped.
+    echo_only = body.echo and body.max_tokens == 0
+    max_tokens = 1 if echo_only else (16 if body.max_tokens is None else body.max_tokens)
+    params = openai_params(body, max_tokens, logprobs, prompt_logprobs=logprobs if body.echo else None)
+    completion_id = f"cmpl-{uuid.uuid4().hex}"
+    generation = Generation(service, state.metrics, prompts, [params] * len(prompts),
+                            [f"{completion_id}-{i}" for i in range(len(prompts))], body.priority).submit()
+    view = CompletionView(completion_id, body.model or settings.model_name, body, prompts, texts, state.token_text,
+                          echo_only, logprobs)
+    if body.stream:
+        return EventStream(view.stream(generation, request.url.path))
+    results = await unless_disconnected(request, generation.collect())
+    choices = []
+    for i, result in enumerate(results):
+        for j, choice in enumerate(result.choices):
+            if (error := failure_of(choice)) is not None:
+                raise error
+            choices.append(view.choice(i * body.n + j, i, choice, result.prompt_logprobs))
+    usage = generation.usage()
+    if echo_only:
+        usage.completion_tokens = 0
+    return JSONResponse({**view.header("text_completion"), "choices": choices, "usage": usage.to_json()})
+
+
+class CompletionView:
+    """How one completions request's results are shown, whole or as stream chunks."""
+
+    def __init__(self, completion_id: str, model: str, body: CompletionRequest, prompts: list[list[int]],
+                 texts: list[str], token_text: TokenText, echo_only: bool, logprobs: int | None):
+        self.id, self.model, self.body, self.prompts, self.texts = completion_id, model, body, prompts, texts
+        self.token_text, self.echo_only, self.logprobs = token_text, echo_only, logprobs
+        self.created = int(time.time())
+
+    def header(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def _prompt_part(self, prompt_index: int, prompt_logprobs) -> tuple[str, dict | None]:
+        ids = self.prompts[prompt_index]
+        scored = None
+        if self.logprobs is not None:
+            scored = completion_logprobs(self.token_text, ids, prompt_logprobs or [None] * len(ids))
+        return self.texts[prompt_index], scored
+
+    def choice(self, index: int, prompt_index: int, choice: Choice, prompt_logprobs) -> dict:
+        text, scored = "", None
+        if self.body.echo:
+            text, scored = self._prompt_part(prompt_index, prompt_logprobs)
+        if not self.echo_only:
+            if self.logprobs is not None:
+                own = completion_logprobs(self.token_text, choice.token_ids, choice.logprobs, offset=len(text))
+                scored = join_completion_logprobs(scored, own) if scored else own
+            text += choice.text
+        finish = "length" if self.echo_only else choice.finish_reason
+        return {"index": index, "text": text, "logprobs": scored, "finish_reason": finish,
+                "stop_reason": None if self.echo_only else choice.stop_reason}
+
+    async def stream(self, generation: Generation, path: str) -> AsyncIterator[bytes]:
+        n = self.body.n
+        offsets: dict[int, int] = {}
+        prompt_logprobs: dict[int, list] = {}
+        events = generation.events()
+        try:
+            async for i, event in events:
+                if (error := failure_of(event)) is not None:
+                    yield sse(error_body(path, error.status, error.message, error.code))
+                    break
+                if event.prompt_logprobs is not None:
+                    prompt_logprobs[i] = event.prompt_logprobs
+                index = i * n + event.index
+                text, scored = "", None
+                if self.body.echo and index not in offsets:
+                    text, scored = self._prompt_part(i, prompt_logprobs.get(i))
+                if not self.echo_only:
+                    if self.logprobs is not None and event.token_ids:
+                        own = completion_logprobs(self.token_text, event.token_ids, event.logprobs,
+                                                  offset=offsets.get(index, 0) + len(text))
+                        scored = join_completion_logprobs(scored, own) if scored else own
+                    text += event.text
+                offsets[index] = offsets.get(index, 0) + len(text)
+                finish = ("length" if self.echo_only else event.finish_reason) if event.finish_reason else None
+                if not text and scored is None and finish is None:
+                    continue  # a token whose text is held back (mid-character, or maybe a stop string)
+                yield sse({**self.header("text_completion"), "choices": [
+                    {"index": index, "text": text, "logprobs": scored, "finish_reason": finish,
+                     "stop_reason": event.stop_reason if finish and not self.echo_only else None}]})
+            else:
+                if include_usage(self.body):
+                    usage = generation.usage()
+                    if self.echo_only:
+                        usage.completion_tokens = 0
+                    yield sse({**self.header("text_completion"), "choices": [], "usage": usage.to_json()})
+        finally:
+            await events.aclose()
+        yield DONE
+
+
+# -- /v1/chat/completions -------------------------------------------------------------------
+def chat_prompt(service: GenerateService, body: ChatCompletionRequest, template: str | None) -> list[int]:
+    if body.tools or body.functions:
+        raise invalid_request("tools and function calling are not supported", param="tools")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise invalid_request(f"response_format {body.response_format.type!r} is not supported: only text",
+                              param="response_format")
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    extra = {k: v for k, v in (body.chat_template_kwargs or {}).items() if k not in _TEMPLATE_RESERVED}
+    text = render_chat_template(service.tokenizer_config, messages, add_generation_prompt=body.add_generation_prompt,
+                                template=template, **extra)
+    return service.encode(text, add_special_tokens=body.add_special_tokens)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    state, service, settings = prepare(request, body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+    logprobs = check_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
+    prompt = chat_prompt(service, body, settings.chat_template)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is None:  # the rest of the context
+        max_tokens = max(1, service.context_capacity - len(prompt))
+    params = openai_params(body, max_tokens, logprobs)
+    chat_id = f"chatcmpl-{uuid.uuid4().hex}"
+    generation = Generation(service, state.metrics, [prompt], [params], [chat_id], body.priority).submit()
+    header = {"id": chat_id, "created": int(time.time()), "model": body.model or settings.model_name,
+              "system_fingerprint": None}
+    token_text = state.token_text
+    if body.stream:
+        return EventStream(stream_chat(generation, body, header, token_text, logprobs, request.url.path))
+    [result] = await unless_disconnected(request, generation.collect())
+    choices = []
+    for j, choice in enumerate(result.choices):
+        if (error := failure_of(choice)) is not None:
+            raise error
+        choices.append({
+            "index": j,
+            "message": {"role": "assistant", "content": choice.text},
+            "logprobs": chat_logprobs(token_text, choice.logprobs) if logprobs is not None else None,
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+        })
+    return JSONResponse({**header, "object": "chat.completion", "choices": choices,
+                         "usage": generation.usage().to_json()})
+
+
+async def stream_chat(generation: Generation, body: ChatCompletionRequest, header: dict, token_text: TokenText,
+                      logprobs: int | None, path: str) -> AsyncIterator[bytes]:
+    def chunk(choices: list[dict], **extra) -> bytes:
+        return sse({**header, "object": "chat.completion.chunk", "choices": choices, **extra})
+
+    yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                 for j in range(body.n)])
+    events = generation.events()
+    try:
+        async for _, event in events:
+            if (error := failure_of(event)) is not None:
+                yield sse(error_body(path, error.status, error.message, error.code))
+                break
+            scored = chat_logprobs(token_text, event.logprobs) if logprobs is not None and event.logprobs else None
+            if not event.text and scored is None and not event.finish_reason:
+                continue
+            yield chunk([{"index": event.index, "delta": {"content": event.text} if event.text else {},
+                          "logprobs": scored, "finish_reason": event.finish_reason,
+                          "stop_reason": event.stop_reason if event.finish_reason else None}])
+        else:
+            if include_usage(body):
+                yield chunk([], usage=generation.usage().to_json())
+    finally:
+        await events.aclose()
+    yield DONE

@@ -1,0 +1,69 @@
+"""Request fields → the runtime's SamplingParams, with each API's defaults.
+
+OpenAI: temperature 1, top_p 1, 16 tokens for completions, the rest of the context for
+chat. shortfin: 50 tokens, greedy unless top_k or top_p is given (temperature only
+shapes sampling). Range checks are SamplingParams.validate's, through check_request.
+"""
+
+from __future__ import annotations
+
+from kiln.runtime.sampling import MAX_LOGPROBS, SamplingParams
+
+from .errors import invalid_request
+from .protocol import OpenAISampling, ShortfinSamplingParams
+
+SHORTFIN_MAX_COMPLETION_TOKENS = 50
+
+
+def openai_params(body: OpenAISampling, max_tokens: int, logprobs: int | None = None,
+                  prompt_logprobs: int | None = None) -> SamplingParams:
+    if body.logit_bias:
+        raise invalid_request("logit_bias is not supported", param="logit_bias")
+    return SamplingParams.from_kwargs(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        n=body.n,
+        stop=body.stop,
+        stop_token_ids=body.stop_token_ids,
+        seed=body.seed,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        skip_special_tokens=body.skip_special_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+def check_logprobs(value: int | None, param: str) -> int | None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise invalid_request(f"{param} must be in [0, {MAX_LOGPROBS}], got {value}", param=param)
+    return value
+
+
+def shortfin_params(sp: ShortfinSamplingParams) -> SamplingParams:
+    if sp.use_beam_search:
+        raise invalid_request("beam search is not supported: use n for independent samples", param="use_beam_search")
+    max_tokens = sp.max_completion_tokens if sp.max_completion_tokens is not None else sp.max_new_tokens
+    sampled = sp.top_k is not None or sp.top_p is not None
+    return SamplingParams.from_kwargs(
+        max_tokens=SHORTFIN_MAX_COMPLETION_TOKENS if max_tokens is None else max_tokens,
+        temperature=(1.0 if sp.temperature is None else sp.temperature) if sampled else 0.0,
+        top_k=sp.top_k,
+        top_p=sp.top_p,
+        min_p=sp.min_p,
+        n=sp.n if sp.n is not None else (sp.num_beams or 1),
+        stop=sp.stop,
+        stop_token_ids=sp.stop_token_ids,
+        seed=sp.seed,
+        repetition_penalty=sp.repetition_penalty,
+        presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        ignore_eos=sp.ignore_eos,
+        skip_special_tokens=sp.skip_special_tokens,
+    )

@@ -1,0 +1,145 @@
+"""Request bodies, as OpenAI, vLLM and shortfin define them (pydantic models FastAPI validates).
+
+Fields a server may not know are ignored, as vLLM does; fields Kiln knows but cannot
+honour (tools, logit_bias, beam search...) are rejected by the routes with a 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's; accepted, usage comes at the end
+
+
+class OpenAISampling(BaseModel):
+    """What /v1/completions and /v1/chat/completions share, with vLLM's extra sampling fields."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extras.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    priority: int = 0
+
+
+class CompletionRequest(OpenAISampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # tool_calls, tool_call_id... reach the template
+
+    role: str
+    content: str | list[Any] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str = "text"
+
+
+class ChatCompletionRequest(OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    # vLLM's extras for the template.
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False
+
+
+# -- shortfin's /generate (shortfin_apps/llm/components/io_struct.py) -----------------------
+
+class ShortfinSamplingParams(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    n: int | None = None
+    max_completion_tokens: int | None = None
+    max_new_tokens: int | None = None  # SGLang's name
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    num_beams: int | None = None
+    use_beam_search: bool = False
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: ShortfinSamplingParams | list[ShortfinSamplingParams] = Field(
+        default_factory=ShortfinSamplingParams
+    )
+    rid: str | list[str] | None = None
+    return_input_ids: bool = False
+    stream: bool = False
+    # Accepted as shortfin does; its responses carry text only.
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    return_text_in_logprobs: bool = False
+
+
+# -- the WebSocket route's messages ------------------------------------------------------------
+
+class SocketGenerate(OpenAISampling):
+    """{"type": "generate", "id": ..., "prompt" | "input_ids" | "messages": ..., sampling fields}."""
+
+    type: Literal["generate"]
+    id: str | None = None
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    logprobs: int | None = None
+    add_special_tokens: bool | None = None
+
+
+class SocketCancel(BaseModel):
+    type: Literal["cancel"]
+    id: str

@@ -1,0 +1,81 @@
+"""Server-sent events, and noticing a client that left (streaming or not) so its request is aborted.
+
+`EventStream` always listens for the disconnect while it streams (whatever ASGI version the
+server speaks) and closes its generator, whose `finally` aborts the generation: pages come
+back as soon as the client is gone, not at the next token. `unless_disconnected` does the
+same for a response that is computed first and sent at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+DONE = b"data: [DONE]\n\n"
+T = TypeVar("T")
+
+
+def sse(payload: Any) -> bytes:
+    """One event: `data: <json>` and a blank line (JSON never spans lines)."""
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class EventStream(StreamingResponse):
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str] | None = None):
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streamer = asyncio.ensure_future(self.stream_response(send))
+        listener = asyncio.ensure_future(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({streamer, listener}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (streamer, listener):
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await streamer
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
+            # If it was cancelled while suspended at a yield, the generator is still open.
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        if streamer.done() and not streamer.cancelled() and streamer.exception() is not None:
+            raise streamer.exception()
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and raising ClientDisconnected) if the client leaves first."""
+    task = asyncio.ensure_future(work)
+    listener = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+        if not task.done():
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await listener
+    if task.cancelled() or not task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ClientDisconnected()
+    return task.result()

@@ -1,0 +1,157 @@
+"""/ws: tokens both ways over one WebSocket, for clients that prefer it to SSE.
+
+Client → server, one JSON object per message:
+    {"type": "generate", "id": "a", "prompt": "..." | "input_ids": [...] | "messages": [...], <sampling fields>}
+    {"type": "cancel", "id": "a"}
+Server → client:
+    {"type": "token", "id", "index", "text", "token_ids", "logprobs"?, "finish_reason"}
+    {"type": "done", "id", "choices": [{"index", "text", "finish_reason"}], "usage"}   (or "cancelled": true)
+    {"type": "error", "id", "error": {"message", "type", "param", "code"}}
+Several generations may run at once on one socket; closing it aborts them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+from pydantic import ValidationError
+
+from kiln.runtime.chat import ChatTemplateError, render_chat_template
+
+from .errors import APIError, error_body, from_runtime, invalid_request, model_not_found
+from .generation import Choice, Generation, failure_of, require_ready
+from .params import check_logprobs, openai_params
+from .protocol import SocketCancel, SocketGenerate
+
+router = APIRouter()
+
+
+class Session:
+    def __init__(self, websocket: WebSocket):
+        self.websocket = websocket
+        self.state = websocket.app.state
+        self.running: dict[str, asyncio.Task] = {}
+        self._lock = asyncio.Lock()
+
+    async def send(self, payload: dict) -> None:
+        async with self._lock:  # one message at a time, whichever generation it is from
+            await self.websocket.send_text(json.dumps(payload, ensure_ascii=False))
+
+    async def error(self, generation_id: str | None, error: APIError) -> None:
+        body = error_body("/ws", error.status, error.message, error.code, error.param)
+        await self.send({"type": "error", "id": generation_id, **body})
+
+    async def handle(self, raw: str) -> None:
+        try:
+            data = json.loads(raw)
+        except ValueError as problem:
+            return await self.error(None, invalid_request(f"messages must be JSON objects: {problem}"))
+        kind = data.get("type") if isinstance(data, dict) else None
+        try:
+            if kind == "generate":
+                return self.start(SocketGenerate.model_validate(data))
+            if kind == "cancel":
+                return await self.cancel(SocketCancel.model_validate(data).id)
+        except ValidationError as problem:
+            first = problem.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            return await self.error(data.get("id"), invalid_request(f"{where}: {first['msg']}", param=where or None))
+        except (APIError, ChatTemplateError) as problem:
+            return await self.error(data.get("id"), from_runtime(problem))
+        await self.error(data.get("id") if isinstance(data, dict) else None,
+                         invalid_request("type must be 'generate' or 'cancel'", param="type"))
+
+    def start(self, message: SocketGenerate) -> None:
+        generation_id = message.id or uuid.uuid4().hex
+        if generation_id in self.running:
+            raise invalid_request(f"a generation with id {generation_id!r} is already running", param="id")
+        generation, logprobs = self.prepare(message, generation_id)
+        task = asyncio.create_task(self.stream(generation_id, generation, logprobs, message.n))
+        self.running[generation_id] = task
+        task.add_done_callback(lambda _: self.running.pop(generation_id, None))
+
+    def prepare(self, message: SocketGenerate, generation_id: str) -> tuple[Generation, int | None]:
+        service, settings = self.state.service, self.state.settings
+        if not settings.knows_model(message.model):
+            raise model_not_found(message.model, settings.served_model_names)
+        require_ready(service)
+        if not 1 <= message.n <= settings.max_n:
+            raise invalid_request(f"n must be in [1, {settings.max_n}], got {message.n}", param="n")
+        given = [x is not None for x in (message.prompt, message.input_ids, message.messages)]
+        if sum(given) != 1:
+            raise invalid_request("give exactly one of prompt, input_ids or messages")
+        if message.messages is not None:
+            text = render_chat_template(service.tokenizer_config, [m.model_dump(exclude_none=True) for m in message.messages],
+                                        template=settings.chat_template)
+            prompt = service.encode(text, add_special_tokens=bool(message.add_special_tokens))
+        elif message.prompt is not None:
+            prompt = service.encode(message.prompt, add_special_tokens=message.add_special_tokens is not False)
+        else:
+            prompt = list(message.input_ids)
+        max_tokens = message.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, service.context_capacity - len(prompt)) if message.messages is not None else 16
+        logprobs = check_logprobs(message.logprobs, "logprobs")
+        params = openai_params(message, max_tokens, logprobs)
+        generation = Generation(service, self.state.metrics, [prompt], [params], [f"ws-{uuid.uuid4().hex}"],
+                                message.priority)
+        return generation.submit(), logprobs
+
+    async def stream(self, generation_id: str, generation: Generation, logprobs: int | None, n: int) -> None:
+        try:
+            await self._stream(generation_id, generation, logprobs, n)
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            pass  # the socket closed under us: leaving events() aborted the generation
+
+    async def _stream(self, generation_id: str, generation: Generation, logprobs: int | None, n: int) -> None:
+        choices = [Choice() for _ in range(n)]
+        async with contextlib.aclosing(generation.events()) as events:
+            async for _, event in events:
+                if (error := failure_of(event)) is not None:
+                    return await self.error(generation_id, error)
+                choices[event.index].add(event)
+                token = {"type": "token", "id": generation_id, "index": event.index, "text": event.text,
+                         "token_ids": event.token_ids, "finish_reason": event.finish_reason}
+                if logprobs is not None:
+                    token["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob,
+                                          "top": {str(t): v for t, v in lp.top.items()}} for lp in event.logprobs]
+                await self.send(token)
+        await self.send({"type": "done", "id": generation_id, "usage": generation.usage().to_json(), "choices": [
+            {"index": j, "text": c.text, "finish_reason": c.finish_reason} for j, c in enumerate(choices)]})
+
+    async def cancel(self, generation_id: str) -> None:
+        task = self.running.get(generation_id)
+        if task is None:
+            raise invalid_request(f"no generation with id {generation_id!r} is running", param="id")
+        task.cancel()  # leaving generation.events() aborts it
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await self.send({"type": "done", "id": generation_id, "cancelled": True, "choices": []})
+
+    async def close(self) -> None:
+        for task in list(self.running.values()):
+            task.cancel()
+        for task in list(self.running.values()):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+@router.websocket("/ws")
+async def socket(websocket: WebSocket):
+    await websocket.accept()
+    session = Session(websocket)
+    try:
+        while True:
+            message = await websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                break
+            raw = message.get("text")
+            if raw is None:
+                raw = (message.get("bytes") or b"").decode("utf-8", errors="replace")
+            await session.handle(raw)
+    finally:
+        await session.close()
