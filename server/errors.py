@@ -20,6 +20,7 @@ from kiln.runtime.service import InvalidRequestError, ServiceUnavailableError
 
 log = logging.getLogger("kiln.server")
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 # SamplingParams' messages start with the field's name: the error's `param`.
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 
@@ -111,15 +112,17 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     if not problems:
         return "invalid request", None
     first = problems[0]
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # Drop "body" and the union-member tags pydantic adds ("str", "list[int]"...): keep the path.
+    location = [str(part) for part in first.get("loc", ())[1:]
+                if isinstance(part, int) or (part.isidentifier() and part not in _TYPE_TAGS)]
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
-    param = ".".join(location) or None
+    where = ".".join(location)
     message = first.get("msg", "invalid value")
-    if param is None and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
+    if not location and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
         message = "the body must be a JSON object (sent with Content-Type: application/json)"
     more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
-    return (f"{param}: {message}" if param else message) + more, param
+    return (f"{where}: {message}" if where else message) + more, (location[0] if location else None)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from .errors import error_body, invalid_request
 from .generation import Generation, failure_of, require_ready
 from .params import shortfin_params
+from .prompts import encode
 from .protocol import GenerateRequest
 from .streaming import DONE, EventStream, sse, unless_disconnected
 
@@ -31,7 +32,7 @@ def prompts_of(service, body: GenerateRequest) -> tuple[list[list[int]], list[st
     if body.text is not None:
         single = isinstance(body.text, str)
         texts = [body.text] if single else list(body.text)
-        return [service.encode(t) for t in texts], texts, single
+        return [encode(service, t, param="text") for t in texts], texts, single
     single = not body.input_ids or isinstance(body.input_ids[0], int)
     prompts = [list(body.input_ids)] if single else [list(p) for p in body.input_ids]
     return prompts, [service.decode(p, skip_special_tokens=False) for p in prompts], single

@@ -171,6 +171,9 @@ class Generation:
         """Stop whatever is still running (idempotent; finished requests are left alone)."""
         for request in self.requests:
             if not request.finished:
+                if self.metrics is not None:  # their "abort" events will not be read: count them here
+                    running = sum(1 for seq in request.sequences if seq.finish_reason is None)
+                    self.metrics.finished.labels("abort").inc(running)
                 self.service.abort(request.request_id)
 
     def _observe(self, index: int, event: Event) -> None:

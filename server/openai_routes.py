@@ -13,21 +13,17 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from kiln.runtime.chat import render_chat_template
 from kiln.runtime.service import GenerateService, ServiceState
 
 from .errors import error_body, invalid_request, model_not_found
 from .generation import Choice, Generation, failure_of, require_ready
 from .logprobs import TokenText, chat_logprobs, completion_logprobs, join_completion_logprobs
 from .params import check_logprobs, openai_params
+from .prompts import chat_ids, encode
 from .protocol import ChatCompletionRequest, CompletionRequest, OpenAISampling
 from .streaming import DONE, EventStream, sse, unless_disconnected
 
 router = APIRouter()
-
-# Keywords render_chat_template sets itself; chat_template_kwargs may not replace them.
-_TEMPLATE_RESERVED = {"messages", "add_generation_prompt", "template", "tokenizer_config", "bos_token", "eos_token"}
-
 
 # -- shared ---------------------------------------------------------------------------------
 def prepare(request: Request, body: OpenAISampling):
@@ -77,7 +73,7 @@ def completion_prompts(service: GenerateService, body: CompletionRequest, limit:
         raise invalid_request("prompt must be a string, a list of strings or token ids, and not empty", param="prompt")
     if len(texts) > limit:
         raise invalid_request(f"at most {limit} prompts per request, got {len(texts)}", param="prompt")
-    return [service.encode(t, add_special_tokens=body.add_special_tokens) for t in texts], texts
+    return [encode(service, t, add_special_tokens=body.add_special_tokens) for t in texts], texts
 
 
 @router.post("/v1/completions")
@@ -193,11 +189,8 @@ def chat_prompt(service: GenerateService, body: ChatCompletionRequest, template:
     if body.response_format is not None and body.response_format.type != "text":
         raise invalid_request(f"response_format {body.response_format.type!r} is not supported: only text",
                               param="response_format")
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    extra = {k: v for k, v in (body.chat_template_kwargs or {}).items() if k not in _TEMPLATE_RESERVED}
-    text = render_chat_template(service.tokenizer_config, messages, add_generation_prompt=body.add_generation_prompt,
-                                template=template, **extra)
-    return service.encode(text, add_special_tokens=body.add_special_tokens)
+    return chat_ids(service, body.messages, template, body.add_special_tokens, body.add_generation_prompt,
+                    body.chat_template_kwargs)
 
 
 @router.post("/v1/chat/completions")

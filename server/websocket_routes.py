@@ -20,11 +20,12 @@ import uuid
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
-from kiln.runtime.chat import ChatTemplateError, render_chat_template
+from kiln.runtime.chat import ChatTemplateError
 
 from .errors import APIError, error_body, from_runtime, invalid_request, model_not_found
 from .generation import Choice, Generation, failure_of, require_ready
 from .params import check_logprobs, openai_params
+from .prompts import chat_ids, encode
 from .protocol import SocketCancel, SocketGenerate
 
 router = APIRouter()
@@ -85,11 +86,9 @@ class Session:
         if sum(given) != 1:
             raise invalid_request("give exactly one of prompt, input_ids or messages")
         if message.messages is not None:
-            text = render_chat_template(service.tokenizer_config, [m.model_dump(exclude_none=True) for m in message.messages],
-                                        template=settings.chat_template)
-            prompt = service.encode(text, add_special_tokens=bool(message.add_special_tokens))
+            prompt = chat_ids(service, message.messages, settings.chat_template, bool(message.add_special_tokens))
         elif message.prompt is not None:
-            prompt = service.encode(message.prompt, add_special_tokens=message.add_special_tokens is not False)
+            prompt = encode(service, message.prompt, add_special_tokens=message.add_special_tokens is not False)
         else:
             prompt = list(message.input_ids)
         max_tokens = message.max_tokens

@@ -52,11 +52,14 @@ class ServerProcess:
         self._log.flush()
         return self.log_path.read_text()
 
-    def metric(self, name: str) -> float:
+    def metric(self, name: str, default: float | None = None) -> float:
+        """A sample's value: `name` alone, or with its labels as Prometheus prints them."""
         for line in httpx.get(self.url + "/metrics").text.splitlines():
             if line.startswith(name + " ") or line.startswith(name + "{"):
                 return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
+        if default is None:
+            raise KeyError(name)
+        return default
 
     def wait_metric(self, name: str, value: float, timeout: float = 5.0) -> float:
         deadline = time.monotonic() + timeout
