@@ -69,7 +69,7 @@ async def generate(body: GenerateRequest, request: Request):
     rids = request_ids(body, len(prompts), single)
     generation = Generation(service, state.metrics, prompts, params, rids).submit()
     if body.stream:
-        return EventStream(stream_generate(generation, rids, request.url.path))
+        return EventStream(stream_generate(generation, rids, request.url.path), on_close=generation.abort)
     results = await unless_disconnected(request, generation.collect())
     for result in results:
         for choice in result.choices:

@@ -94,6 +94,7 @@ class Generation:
         self.completion_tokens = 0
         self._started = 0.0
         self._last_token: dict[tuple[int, int], float] = {}
+        self._aborted: set[str] = set()
 
     # -- in ---------------------------------------------------------------------------------
     def submit(self) -> "Generation":
@@ -170,7 +171,8 @@ class Generation:
     def abort(self) -> None:
         """Stop whatever is still running (idempotent; finished requests are left alone)."""
         for request in self.requests:
-            if not request.finished:
+            if not request.finished and request.request_id not in self._aborted:
+                self._aborted.add(request.request_id)
                 if self.metrics is not None:  # their "abort" events will not be read: count them here
                     running = sum(1 for seq in request.sequences if seq.finish_reason is None)
                     self.metrics.finished.labels("abort").inc(running)

@@ -25,6 +25,7 @@ from .streaming import DONE, EventStream, sse, unless_disconnected
 
 router = APIRouter()
 
+
 # -- shared ---------------------------------------------------------------------------------
 def prepare(request: Request, body: OpenAISampling):
     """The app's parts, after the checks every generation route makes first."""
@@ -96,7 +97,7 @@ async def completions(body: CompletionRequest, request: Request):
     view = CompletionView(completion_id, body.model or settings.model_name, body, prompts, texts, state.token_text,
                           echo_only, logprobs)
     if body.stream:
-        return EventStream(view.stream(generation, request.url.path))
+        return EventStream(view.stream(generation, request.url.path), on_close=generation.abort)
     results = await unless_disconnected(request, generation.collect())
     choices = []
     for i, result in enumerate(results):
@@ -210,7 +211,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
               "system_fingerprint": None}
     token_text = state.token_text
     if body.stream:
-        return EventStream(stream_chat(generation, body, header, token_text, logprobs, request.url.path))
+        return EventStream(stream_chat(generation, body, header, token_text, logprobs, request.url.path),
+                           on_close=generation.abort)
     [result] = await unless_disconnected(request, generation.collect())
     choices = []
     for j, choice in enumerate(result.choices):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -39,8 +39,11 @@ async def _wait_for_disconnect(receive: Receive) -> None:
 class EventStream(StreamingResponse):
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str] | None = None):
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None] | None = None):
+        """`on_close` runs however the response ends, even if `content` never started (its
+        `finally` would not run then): the place to abort what the stream was reading."""
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         streamer = asyncio.ensure_future(self.stream_response(send))
@@ -50,16 +53,16 @@ class EventStream(StreamingResponse):
         finally:
             for task in (streamer, listener):
                 task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, OSError):
-                await streamer
-            with contextlib.suppress(asyncio.CancelledError):
-                await listener
+            await asyncio.gather(streamer, listener, return_exceptions=True)
             # If it was cancelled while suspended at a yield, the generator is still open.
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
-        if streamer.done() and not streamer.cancelled() and streamer.exception() is not None:
-            raise streamer.exception()
+            if self.on_close is not None:
+                self.on_close()
+        error = None if streamer.cancelled() else streamer.exception()
+        if error is not None and not isinstance(error, OSError):  # OSError: the client went away mid-write
+            raise error
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
