@@ -49,7 +49,8 @@ class ServerProcess:
         raise AssertionError(f"kiln serve was not ready in {timeout}s:\n{self.log()}")
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text()
 
     def metric(self, name: str, default: float | None = None) -> float:

@@ -59,6 +59,21 @@ def test_token_id_prompts_and_several_prompts(client, smollm2_artifacts):
     assert strings.choices[0].text == by_ids.choices[0].text and len(strings.choices) == 2
 
 
+def test_vllm_and_openai_extras(client):
+    """vLLM's extra sampling fields (through the SDK's extra_body), penalties and `user` are accepted."""
+    greedy = client.completions.create(model="smol", prompt=REFERENCE_PROMPT, max_tokens=32, temperature=0)
+    extras = client.completions.create(
+        model="smol", prompt=REFERENCE_PROMPT, max_tokens=32, temperature=0.8, user="someone",
+        extra_body={"top_k": 1, "min_p": 0.05, "ignore_eos": True, "priority": -1, "repetition_penalty": 1.0})
+    assert extras.choices[0].text == greedy.choices[0].text  # top_k 1 is greedy whatever the temperature
+    penalized = client.completions.create(model="smol", prompt=REFERENCE_PROMPT, max_tokens=32, temperature=0,
+                                          presence_penalty=1.5, frequency_penalty=1.5)
+    assert penalized.choices[0].text != greedy.choices[0].text  # repeating ", " is penalized
+    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          extra_body={"ignore_eos": True, "min_tokens": 4})
+    assert chat.usage.completion_tokens == 4 and chat.choices[0].finish_reason == "length"
+
+
 def test_stop_strings(client):
     response = client.completions.create(model="smol", prompt=REFERENCE_PROMPT, max_tokens=32, temperature=0,
                                          stop=[" 9,", "zzz"])
