@@ -1,0 +1,31 @@
+"""`kiln serve` on the tiny model: Ctrl+C exits as cleanly as SIGTERM, and --model builds on first use."""
+
+from __future__ import annotations
+
+import signal
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def test_sigint_exits_0(start_server, tiny_artifacts):
+    server = start_server("--artifacts", tiny_artifacts, "--no-access-log")
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert server.stop(signal.SIGINT) == 0
+    assert "draining" in server.log() and "Traceback" not in server.log()
+
+
+def test_serve_builds_a_model_on_first_use(start_server, tiny_hf_dir, tmp_path):
+    """`kiln serve --model DIR`: built (in a child process) into the keyed cache, then served; the
+    second start reuses the build."""
+    env = {"KILN_CACHE_DIR": str(tmp_path / "cache")}
+    server = start_server("--model", tiny_hf_dir, "--no-access-log", env=env)
+    [model] = httpx.get(server.url + "/v1/models").json()["data"]
+    assert model["id"] == str(tiny_hf_dir) and model["root"].startswith(str(tmp_path / "cache"))
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}).status_code == 200
+    assert server.stop() == 0
+    again = start_server("--model", tiny_hf_dir, "--no-access-log", env=env)
+    assert "reusing" in again.log() and httpx.get(again.url + "/v1/models").json()["data"][0]["root"] == model["root"]
+    assert again.stop() == 0
