@@ -94,13 +94,19 @@ def run_serve(args) -> int:
     from kiln.server.main import serve
     from kiln.server.settings import ServerSettings
 
-    artifacts = resolve_in_child(args) if needs_build(args) else resolve_artifacts(args)
+    if args.model is not None and not args.model.exists():
+        from kiln.models.config import ModelLoadError
+
+        raise ModelLoadError(f"model path {args.model} does not exist")
+    # A model to build is built after the server is up, so /health answers 503 meanwhile.
+    prepare = (lambda: resolve_in_child(args)) if needs_build(args) else None
+    artifacts = None if prepare else resolve_artifacts(args)
     api_keys = list(args.api_key) + [k for k in os.environ.get("KILN_API_KEY", "").split(",") if k.strip()]
     settings = ServerSettings(
         host=args.host,
         port=args.port,
         served_model_names=default_model_names(args, artifacts),
-        model_root=str(Path(artifacts.config).resolve().parent),
+        model_root=str(Path(artifacts.config).resolve().parent) if artifacts else "",
         chat_template=read_chat_template(args.chat_template),
         api_keys=[k.strip() for k in api_keys],
         cors_origins=list(args.cors_origin),
@@ -117,4 +123,4 @@ def run_serve(args) -> int:
         max_running=args.max_running,
         max_queue=args.max_queue,
     )
-    return serve(service_config, settings, log_level=args.log_level)
+    return serve(service_config, settings, log_level=args.log_level, prepare=prepare)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from contextlib import asynccontextmanager
 from typing import Callable
 
@@ -23,7 +24,7 @@ from . import generate_routes, openai_routes, websocket_routes
 from .errors import install_error_handlers
 from .logprobs import TokenText
 from .metrics import CONTENT_TYPE, Metrics
-from .middleware import BodyLimit, Guard, RequestContext
+from .middleware import BodyLimit, Guard, JsonBodies, RequestContext
 from .settings import ServerSettings
 from .streaming import ClientDisconnected
 
@@ -31,8 +32,13 @@ log = logging.getLogger("kiln.server")
 
 
 def create_app(service: GenerateService, settings: ServerSettings,
-               on_fatal: Callable[[], None] | None = None) -> FastAPI:
-    """`on_fatal` is called when the model cannot be loaded (the runner then exits non-zero)."""
+               on_fatal: Callable[[], None] | None = None,
+               prepare: Callable[[], object] | None = None) -> FastAPI:
+    """`on_fatal` is called when the model cannot be loaded (the runner then exits non-zero).
+
+    `prepare`, if given, runs first (on a worker thread) and returns the artifacts to load:
+    a first-run build, during which the server already answers 503 "loading".
+    """
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -46,6 +52,11 @@ def create_app(service: GenerateService, settings: ServerSettings,
 
     async def load(app: FastAPI) -> None:
         try:
+            if prepare is not None:
+                log.info("building the model's artifacts before loading them (first use)")
+                artifacts = await asyncio.get_running_loop().run_in_executor(None, prepare)
+                service.config.artifacts = artifacts
+                settings.model_root = str(Path(artifacts.config).resolve().parent)
             await service.start()
         except Exception as error:
             log.error("could not load the model: %s", error)
@@ -89,6 +100,7 @@ def create_app(service: GenerateService, settings: ServerSettings,
     app.include_router(websocket_routes.router)
 
     # Added innermost first: RequestContext sees every response, errors from the others included.
+    app.add_middleware(JsonBodies)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(Guard, api_keys=settings.api_keys, rate_limit=settings.rate_limit)
     if settings.cors_origins:

@@ -60,7 +60,7 @@ def configure_logging(level: str = "info") -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def serve(service_config: ServiceConfig, settings: ServerSettings, log_level: str = "info") -> int:
+def serve(service_config: ServiceConfig, settings: ServerSettings, log_level: str = "info", prepare=None) -> int:
     """Serve until a signal (or a failed load); returns the process exit code."""
     configure_logging(log_level)
     service = GenerateService(service_config)
@@ -70,7 +70,7 @@ def serve(service_config: ServiceConfig, settings: ServerSettings, log_level: st
         if server is not None:
             server.should_exit = True
 
-    app = create_app(service, settings, on_fatal=fatal)
+    app = create_app(service, settings, on_fatal=fatal, prepare=prepare)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=log_level, access_log=False,
         log_config=None,  # our logging.basicConfig, one format for uvicorn's lines and ours

@@ -200,3 +200,22 @@ class BodyLimit:
             if error.status_code != 413 or started:
                 raise
             await reject(scope, receive, send, self._too_large())
+
+
+class JsonBodies:
+    """Read the API routes' bodies as JSON whatever Content-Type the client claimed.
+
+    `curl -d '{...}'` sends application/x-www-form-urlencoded, and shortfin reads such a
+    body as JSON; so do we, rather than refuse a well-formed request over a header.
+    """
+
+    JSON_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] in ("POST", "PUT") and scope["path"].rstrip("/") in self.JSON_ROUTES:
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)

@@ -32,6 +32,14 @@ def test_text_single(tiny_server):
     assert set(generated) == {"text"} and isinstance(generated["text"], str)
 
 
+def test_a_json_body_without_a_json_content_type(tiny_server):
+    """curl -d sends form-urlencoded; the body is JSON all the same, as shortfin reads it."""
+    body = json.dumps({"text": "the cat", "sampling_params": {"max_completion_tokens": 4}})
+    response = httpx.post(tiny_server.url + "/generate", content=body, timeout=60,
+                          headers={"content-type": "application/x-www-form-urlencoded"})
+    assert response.status_code == 200 and response.json()["responses"][0]["prompt"] == "the cat"
+
+
 def test_greedy_by_default_as_shortfin(tiny_server):
     """Without top_k or top_p, shortfin picks the best token whatever the temperature."""
     body = {"text": "the dog", "sampling_params": {"max_completion_tokens": 10, "temperature": 1.5}}

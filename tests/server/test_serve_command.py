@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 
 import httpx
 import pytest
@@ -21,7 +22,19 @@ def test_serve_builds_a_model_on_first_use(start_server, tiny_hf_dir, tmp_path):
     """`kiln serve --model DIR`: built (in a child process) into the keyed cache, then served; the
     second start reuses the build."""
     env = {"KILN_CACHE_DIR": str(tmp_path / "cache")}
-    server = start_server("--model", tiny_hf_dir, "--no-access-log", env=env)
+    server = start_server("--model", tiny_hf_dir, "--no-access-log", env=env, ready=False)
+    # The server listens while it builds: /health and generation answer 503 "loading" meanwhile.
+    first = None
+    while first is None:
+        assert server.process.poll() is None, server.log()
+        try:
+            first = httpx.get(server.url + "/health", timeout=2)
+        except httpx.TransportError:
+            time.sleep(0.05)
+    assert first.status_code == 503 and first.json()["status"] == "loading"
+    refused = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+    assert refused.status_code == 503 and "loading" in refused.json()["error"]["message"]
+    server.wait_ready()
     [model] = httpx.get(server.url + "/v1/models").json()["data"]
     assert model["id"] == str(tiny_hf_dir) and model["root"].startswith(str(tmp_path / "cache"))
     assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}).status_code == 200
