@@ -126,3 +126,22 @@ def test_gpu_targets_compile(tiny_artifacts, tmp_path, target, arch):
     result = run_kiln("compile-vmfb", str(tiny_artifacts / "model.mlir"), "--target", target, "--arch", arch, "-o", str(out))
     assert "marked 4 cache argument(s)" in result.stderr
     assert out.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_exports_run_close_to_the_float32_reference(tiny_hf_dir, tmp_path, reference, dtype):
+    from tests.conftest import TINY_EXPORT_ARGS
+
+    run_kiln("export-model", "--model", str(tiny_hf_dir), "--output-dir", str(tmp_path), "--dtype", dtype,
+             *TINY_EXPORT_ARGS)
+    run_kiln("compile-vmfb", str(tmp_path / "model.mlir"), "--target", "cpu", "-o", str(tmp_path / "model_cpu.vmfb"))
+    program = Program(Artifacts.in_directory(tmp_path))
+    assert program.cache_dtype.itemsize == 2
+    prompt = np.random.default_rng(3).integers(4, 384, 21).tolist()
+    driver = PagedDriver(program)
+    seqs = driver.new_sequences(1, 24)
+    logits = driver.prefill(seqs, [prompt], batch=1)
+    want = reference_logits(reference, prompt)
+    assert relative_error(logits[0, : len(prompt)], want) < (2e-2 if dtype == "float16" else 6e-2)
+    step = driver.decode(seqs, [int(want[-1].argmax())], [len(prompt)], batch=1)
+    assert np.isfinite(step).all()
