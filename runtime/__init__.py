@@ -3,9 +3,9 @@
     from kiln.runtime import LLM, SamplingParams
 """
 
-from .offline import LLM, Completion, GenerationResult
+from .offline import LLM, GenerationResult
 from .program import Artifacts, Program, ProgramLoadError
-from .request import Event, TokenLogprob
+from .request import Completion, Event, TokenLogprob
 from .sampling import SamplingParams
 from .service import GenerateService, InvalidRequestError, ServiceConfig, ServiceState, ServiceUnavailableError
 

@@ -13,21 +13,13 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .program import Artifacts
-from .request import Event, TokenLogprob
+from .request import Completion
 from .sampling import SamplingParams
 from .service import GenerateService, ServiceConfig
-
-
-@dataclass
-class Completion:
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
 
 
 @dataclass
@@ -89,7 +81,9 @@ class LLM:
         async def one(ids):
             completions = [Completion() for _ in range(params.n)]
             async for event in self.service.generate(ids, params):
-                _accumulate(completions[event.index], event)
+                if event.error:
+                    raise RuntimeError(event.error)
+                completions[event.index].add(event)
             return GenerationResult(ids, completions)
 
         return list(await asyncio.gather(*(one(ids) for ids in prompt_ids)))
@@ -106,12 +100,3 @@ class LLM:
     def __exit__(self, *exc):
         self.close()
 
-
-def _accumulate(completion: Completion, event: Event) -> None:
-    if event.error:
-        raise RuntimeError(event.error)
-    completion.text += event.text
-    completion.token_ids.extend(event.token_ids)
-    completion.logprobs.extend(event.logprobs)
-    if event.finish_reason:
-        completion.finish_reason = event.finish_reason

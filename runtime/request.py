@@ -51,6 +51,25 @@ class Event:
 
 
 @dataclass
+class Completion:
+    """One sequence's output, accumulated from its Events (offline API and server alike)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+
+    def add(self, event: Event) -> None:
+        self.text += event.text
+        self.token_ids.extend(event.token_ids)
+        self.logprobs.extend(event.logprobs)
+        if event.finish_reason:
+            self.finish_reason, self.stop_reason, self.error = event.finish_reason, event.stop_reason, event.error
+
+
+@dataclass
 class Request:
     prompt_ids: list[int]
     params: SamplingParams

@@ -12,9 +12,9 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from kiln.runtime.request import Event, Request, TokenLogprob
+from kiln.runtime.request import Completion, Event, Request, TokenLogprob
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.service import GenerateService, ServiceState
 
@@ -39,23 +39,8 @@ def failure_of(outcome) -> APIError | None:
     return None
 
 
-@dataclass
-class Choice:
-    """One sequence's accumulated output."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    error: str | None = None
-
-    def add(self, event: Event) -> None:
-        self.text += event.text
-        self.token_ids.extend(event.token_ids)
-        self.logprobs.extend(event.logprobs)
-        if event.finish_reason:
-            self.finish_reason, self.stop_reason, self.error = event.finish_reason, event.stop_reason, event.error
+# One sequence's accumulated output.
+Choice = Completion
 
 
 @dataclass

@@ -73,7 +73,7 @@ def test_two_at_once_and_cancel(smol_server):
         # Cancelling what is not running is an error, and the socket goes on.
         socket.send(json.dumps({"type": "cancel", "id": "long"}))
         assert receive(socket)["type"] == "error"
-        socket.send(json.dumps({"type": "generate", "id": "again", "prompt": "hi", "max_tokens": 2}))
+        socket.send(json.dumps({"type": "generate", "id": "again", "prompt": "hi", "max_tokens": 2, "ignore_eos": True}))
         assert until_done(socket, "again")[1]["choices"][0]["finish_reason"] == "length"
 
 
@@ -110,6 +110,7 @@ def test_socket_needs_the_api_key(start_server, tiny_artifacts):
     for options in ({"additional_headers": {"Authorization": "Bearer sesame"}}, {}):
         url = ws_url(server, "" if options else "?api_key=sesame")
         with connect(url, proxy=None, **options) as socket:
-            socket.send(json.dumps({"type": "generate", "id": "k", "prompt": "hi", "max_tokens": 3}))
+            # ignore_eos: a sampled token of the random tiny model may be EOS, which is not what this tests.
+            socket.send(json.dumps({"type": "generate", "id": "k", "prompt": "hi", "max_tokens": 3, "ignore_eos": True}))
             assert until_done(socket, "k")[1]["choices"][0]["finish_reason"] == "length"
     server.stop()
