@@ -19,6 +19,10 @@ from torch import nn
 
 from .config import LlamaConfig
 
+# Added to the attention score of a key a query may not see: exp() of it is 0 in
+# float32, and unlike -inf it keeps a fully masked (padding) row finite.
+MASKED_SCORE = -1e30
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -94,6 +98,32 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         n, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(n, t, self.n_heads * self.head_dim))
+
+    def attend_paged(self, q, keys_t, values, bias, block):
+        """Attention over cached pages, written as matmuls and a blocked softmax.
+
+        q [N,H,T,D]; keys_t [N,Hkv,D,S] (keys transposed); values [N,Hkv,S,D]; bias
+        [N,1,T,S] (0 where a query may look, a large negative number elsewhere);
+        S is a multiple of `block`. Why not SDPA: IREE lowers it to a fused attention
+        op whose llvm-cpu code is ~10x slower than this at 512 tokens, and a softmax
+        over one dynamic axis does not vectorize; viewed as [..., S/block, block], the
+        static inner axis does. The query heads of a K/V group are stacked into one
+        matmul, so K/V are read once per group and never copied.
+        """
+        n, heads, t, d = q.shape
+        kv_heads, s = keys_t.shape[1], keys_t.shape[3]
+        group = heads // kv_heads
+        dtype = q.dtype
+        q = q.float().reshape(n, kv_heads, group * t, d)
+        scores = torch.matmul(q, keys_t.float()) * (1.0 / math.sqrt(d))
+        scores = scores.view(n, kv_heads, group, t, s) + bias.view(n, 1, 1, t, s)
+        blocks = scores.view(n, kv_heads, group, t, s // block, block)
+        weights = torch.exp(blocks - blocks.amax(dim=(-2, -1), keepdim=True))
+        total = weights.sum(dim=(-2, -1)).view(n, kv_heads, group * t, 1)
+        # Normalized after the product: T*D divisions instead of T*S.
+        out = torch.matmul(weights.view(n, kv_heads, group * t, s), values.float()) / total
+        out = out.view(n, heads, t, d).transpose(1, 2).reshape(n, t, heads * d)
+        return self.o_proj(out.to(dtype))
 
 
 class MLP(nn.Module):
@@ -215,11 +245,13 @@ class PagedLlama(nn.Module):
         block_index = torch.clamp(positions // stride, max=blocks - 1)
         write_page = torch.where(live, torch.gather(seq_block_ids, 1, block_index), 0)
         write_slot = positions % stride
-        # Which cached keys each query may see: real (< seq_len) and not in its future.
+        # Which cached keys each query may see: real (< seq_len) and not in its future,
+        # as an additive float bias built by integer arithmetic: a boolean mask would
+        # reach the attention matmul's data-tiled layout as i1, which IREE cannot pack.
         key_pos = torch.arange(blocks * stride).view(1, 1, -1)
-        mask = torch.logical_and(
-            key_pos < seq_lens.view(n, 1, 1), key_pos <= positions.unsqueeze(-1)
-        ).unsqueeze(1)  # [N,1,T,B*stride]
+        last_visible = torch.minimum(positions, seq_lens.view(n, 1) - 1).unsqueeze(-1)  # [N,T,1]
+        hidden = (key_pos - last_visible).clamp(0, 1)  # [N,T,B*stride]: 1 = may not look
+        bias = (hidden.float() * MASKED_SCORE).unsqueeze(1)  # [N,1,T,B*stride]
 
         # Views of the cache: rows of one head's slot for writing, whole (page, layer, k|v)
         # slabs for reading.
@@ -235,8 +267,8 @@ class PagedLlama(nn.Module):
                 rows = (slab.unsqueeze(1) * kv_heads + head) * stride + write_slot.unsqueeze(1)
                 slot_rows.index_put_((rows,), new.to(cache.dtype))  # rows [N,Hkv,T]
             read = (seq_block_ids * layers + index) * 2  # [N,B]
-            keys = slabs[read].transpose(1, 2).reshape(n, kv_heads, blocks * stride, head_dim)
+            keys_t = slabs[read].permute(0, 2, 4, 1, 3).reshape(n, kv_heads, head_dim, blocks * stride)
             values = slabs[read + 1].transpose(1, 2).reshape(n, kv_heads, blocks * stride, head_dim)
-            h = h + attn.attend(q, keys.to(q.dtype), values.to(q.dtype), mask)
+            h = h + attn.attend_paged(q, keys_t, values, bias, stride)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return h
