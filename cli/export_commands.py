@@ -55,6 +55,10 @@ def add_export_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=_positive_int, default=None, help="functions return top-k values and ids, not logits")
     parser.add_argument("--logits-normalization", choices=["none", "softmax", "log_softmax"], default="none")
     parser.add_argument("--no-prefill-position", action="store_true", help="export prefill without start positions (no prefix reuse)")
+    parser.add_argument(
+        "--no-prefill-last", action="store_true",
+        help="skip the prefill_last_bs<N> companions (prefill returning only last logits, the serving fast path)",
+    )
 
 
 def options_from_args(args):
@@ -71,6 +75,7 @@ def options_from_args(args):
         top_k=args.top_k,
         logits_normalization=args.logits_normalization,
         has_prefill_position=not args.no_prefill_position,
+        prefill_last_functions=not args.no_prefill_last,
     )
 
 

@@ -62,7 +62,8 @@ def default_build_options(dtype: str = "float32") -> ExportOptions:
     """What `kiln serve` / `kiln generate` build on first use (and what the tests build):
     one definition, so both land on the same cache key and the model is built once."""
     return ExportOptions(
-        prefill_batch_sizes=[1, 4], decode_batch_sizes=[1, 4, 8, 16], dtype=dtype, max_seq_len=4096
+        prefill_batch_sizes=[1, 4], decode_batch_sizes=[1, 4, 8, 16], dtype=dtype, max_seq_len=4096,
+        prefill_last_functions=True,
     )
 
 

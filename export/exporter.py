@@ -18,9 +18,14 @@ from .options import ExportOptions
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def select_logits(model: PagedLlama, options: ExportOptions, h, start_pos, seq_lens):
-    """Turn hidden states into what the function returns: logits, or top-k values and ids."""
-    if options.prefill_final_logits and h.shape[1] != 1:
+def select_logits(model: PagedLlama, options: ExportOptions, h, start_pos, seq_lens, final_only=None):
+    """Turn hidden states into what the function returns: logits, or top-k values and ids.
+
+    `final_only` (default: the export's prefill_final_logits) keeps only each row's last
+    real position, skipping the [N, T, V] projection a sampler never reads.
+    """
+    final_only = options.prefill_final_logits if final_only is None else final_only
+    if final_only and h.shape[1] != 1:
         last = torch.clamp(seq_lens - 1 - start_pos, min=0, max=h.shape[1] - 1)
         h = torch.gather(h, 1, last.view(-1, 1, 1).expand(-1, 1, h.shape[2]))
     logits = model.logits(h)
@@ -46,7 +51,10 @@ def trace_module(model: PagedLlama, options: ExportOptions, log=print) -> aot.Ex
     example_pages = max(options.device_block_count, 4)
     fxb = aot.FxProgramsBuilder(model)
 
-    for bs in options.prefill_batch_sizes:
+    prefill_kinds = [("prefill", options.prefill_final_logits)]
+    if options.prefill_last_functions and not options.prefill_final_logits:
+        prefill_kinds.append(("prefill_last", True))
+    for (kind, final_only), bs in ((k, bs) for k in prefill_kinds for bs in options.prefill_batch_sizes):
         started = time.monotonic()
         token_blocks = Dim("token_blocks", min=1, max=max_blocks)
         blocks = Dim("blocks", min=1, max=max_blocks)
@@ -65,29 +73,29 @@ def trace_module(model: PagedLlama, options: ExportOptions, log=print) -> aot.Ex
             shapes["start_pos"] = {}
 
             @fxb.export_program(
-                name=f"prefill_bs{bs}",
+                name=f"{kind}_bs{bs}",
                 args=(tokens, start_pos, seq_lens, seq_block_ids, cache),
                 dynamic_shapes=shapes,
                 strict=False,
             )
-            def _(model, tokens, start_pos, seq_lens, seq_block_ids, cache):
+            def _(model, tokens, start_pos, seq_lens, seq_block_ids, cache, final_only=final_only):
                 h = model.forward_paged(tokens, start_pos, seq_lens, seq_block_ids, cache)
-                return select_logits(model, options, h, start_pos, seq_lens)
+                return select_logits(model, options, h, start_pos, seq_lens, final_only)
 
         else:
 
             @fxb.export_program(
-                name=f"prefill_bs{bs}",
+                name=f"{kind}_bs{bs}",
                 args=(tokens, seq_lens, seq_block_ids, cache),
                 dynamic_shapes=shapes,
                 strict=False,
             )
-            def _(model, tokens, seq_lens, seq_block_ids, cache):
+            def _(model, tokens, seq_lens, seq_block_ids, cache, final_only=final_only):
                 start_pos = torch.zeros_like(seq_lens)
                 h = model.forward_paged(tokens, start_pos, seq_lens, seq_block_ids, cache)
-                return select_logits(model, options, h, start_pos, seq_lens)
+                return select_logits(model, options, h, start_pos, seq_lens, final_only)
 
-        log(f"  traced prefill_bs{bs} in {time.monotonic() - started:.1f}s")
+        log(f"  traced {kind}_bs{bs} in {time.monotonic() - started:.1f}s")
 
     for bs in options.decode_batch_sizes:
         started = time.monotonic()

@@ -21,6 +21,10 @@ class ExportOptions:
     max_seq_len: int = 0  # 0: the model's context length, capped at 8192
     dtype: str = "float32"
     prefill_final_logits: bool = False
+    # Also export prefill_last_bs<N>: the same prefill returning only each row's last
+    # logits, which the runtime calls unless a request needs every position's (prompt
+    # logprobs). prefill_bs<N> keeps shortfin's full-logits ABI.
+    prefill_last_functions: bool = False
     top_k: int | None = None
     logits_normalization: str = "none"
     # Prefill takes start positions: what prefix caching and chunked prefill need.

@@ -119,9 +119,16 @@ class Attention(nn.Module):
         scores = scores.view(n, kv_heads, group, t, s) + bias.view(n, 1, 1, t, s)
         blocks = scores.view(n, kv_heads, group, t, s // block, block)
         weights = torch.exp(blocks - blocks.amax(dim=(-2, -1), keepdim=True))
-        total = weights.sum(dim=(-2, -1)).view(n, kv_heads, group * t, 1)
-        # Normalized after the product: T*D divisions instead of T*S.
-        out = torch.matmul(weights.view(n, kv_heads, group * t, s), values.float()) / total
+        if t == 1:
+            # Decode: normalize after the product. Before it, IREE fuses the division into
+            # the matmul and emits a zero-sized `affine.delinearize_index` for T = 1.
+            total = weights.sum(dim=(-2, -1)).view(n, kv_heads, group, 1)
+            out = torch.matmul(weights.view(n, kv_heads, group, s), values.float()) / total
+        else:
+            # Prefill: normalize first. After the product, IREE fuses the division into the
+            # output projection's data-tiled packing and needs a dynamic stack allocation.
+            weights = weights / weights.sum(dim=(-2, -1), keepdim=True)
+            out = torch.matmul(weights.view(n, kv_heads, group * t, s), values.float())
         out = out.view(n, heads, t, d).transpose(1, 2).reshape(n, t, heads * d)
         return self.o_proj(out.to(dtype))
 

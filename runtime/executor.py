@@ -47,11 +47,15 @@ class Executor:
         seq_lens = np.ones(rows, np.int64)  # padded rows: length 1 on page 0
         read_at: list[int | slice] = []
         full = batch.full_logits or [False] * len(batch.chunks)
+        name = f"{batch.kind}_bs{rows}"
+        last_only = self.final_logits_only
+        if batch.kind == "prefill" and not last_only and not any(full) and f"prefill_last_bs{rows}" in self.program.functions:
+            name, last_only = f"prefill_last_bs{rows}", True  # skips the [N, T, V] projection
         for row, (start, chunk) in enumerate(zip(batch.starts, batch.chunks)):
             tokens[row, : len(chunk)] = chunk
             starts[row] = start
             seq_lens[row] = start + len(chunk)
-            if batch.kind == "decode" or self.final_logits_only:
+            if batch.kind == "decode" or last_only:
                 read_at.append(0)
             else:  # every position of the chunk for prompt logprobs, else its last
                 read_at.append(slice(0, len(chunk)) if full[row] else len(chunk) - 1)
@@ -61,7 +65,6 @@ class Executor:
             pages = seq.allocation.pages[:blocks]
             table[row, : len(pages)] = pages
         self.validate(batch, tokens, seq_lens, table)
-        name = f"{batch.kind}_bs{rows}"
         if batch.kind == "decode":
             return name, [tokens, seq_lens, starts, table], read_at
         if self.has_prefill_position:

@@ -76,6 +76,11 @@ class Program:
                 if vm_function is None:
                     raise ProgramLoadError(f"{artifacts.vmfb} has no function {name} that the config lists")
                 self.functions[name] = ireert.FunctionInvoker(self.context, self.device, vm_function)
+        # Optional companions (Kiln exports): prefill returning only each row's last logits.
+        for bs in self.params.prefill_batch_sizes:
+            vm_function = program_module.lookup_function(f"prefill_last_bs{bs}")
+            if vm_function is not None:
+                self.functions[f"prefill_last_bs{bs}"] = ireert.FunctionInvoker(self.context, self.device, vm_function)
 
     @property
     def cache_dtype(self) -> np.dtype:

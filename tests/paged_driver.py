@@ -35,7 +35,7 @@ class PagedDriver:
             table[row, : len(pages)] = pages
         return table
 
-    def prefill(self, seqs, prompts, batch: int, start_pos=None) -> np.ndarray:
+    def prefill(self, seqs, prompts, batch: int, start_pos=None, function: str = "prefill") -> np.ndarray:
         """Logits [batch, T, V] (or [batch, 1, V]) for each prompt written at start_pos."""
         start_pos = start_pos or [0] * len(prompts)
         longest = max(len(p) for p in prompts)
@@ -52,7 +52,7 @@ class PagedDriver:
         args = [tokens, starts, seq_lens, table, self.cache]
         if not self.program.params.has_prefill_position:
             args.pop(1)
-        return self.program.invoke(f"prefill_bs{batch}", *args)[0]
+        return self.program.invoke(f"{function}_bs{batch}", *args)[0]
 
     def decode(self, seqs, tokens, positions, batch: int) -> np.ndarray:
         """Logits [batch, 1, V] for one new token per sequence at `positions`."""
