@@ -6,14 +6,12 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from kiln.models.checkpoint import Checkpoint
 from kiln.models.config import LlamaConfig
+from kiln.models.hf_writer import hf_config_dict, write_hf_directory  # noqa: F401  (re-exported for tests)
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = 0, 1, 2, 3
@@ -137,64 +135,3 @@ def make_tiny_checkpoint(seed: int = 0, add_bos: bool = True, **overrides) -> Ch
         tokenizer_config=tokenizer_config,
         source=f"tiny(seed={seed})",
     )
-
-
-def hf_config_dict(config: LlamaConfig) -> dict:
-    """config.json in Hugging Face's format for LlamaForCausalLM / Qwen2ForCausalLM."""
-    qwen = config.architecture == "qwen2"
-    eos = config.eos_token_ids
-    d = {
-        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen else "llama",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": config.max_position_embeddings,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": config.rope_scaling,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": eos[0] if len(eos) == 1 else list(eos),
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "torch_dtype": "float32",
-    }
-    if not qwen:
-        d |= {"attention_bias": config.attention_bias, "mlp_bias": False, "pretraining_tp": 1}
-    return d
-
-
-def write_hf_directory(checkpoint: Checkpoint, directory: str | Path, shards: int = 1) -> Path:
-    """Save `checkpoint` as an HF model directory: config.json, safetensors (one file, or
-    `shards` files with model.safetensors.index.json), tokenizer.json, tokenizer_config.json."""
-    from safetensors.numpy import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(hf_config_dict(checkpoint.config), indent=2))
-    (directory / "tokenizer.json").write_text(checkpoint.tokenizer_json)
-    (directory / "tokenizer_config.json").write_text(json.dumps(checkpoint.tokenizer_config, indent=2))
-    tensors = {k: np.ascontiguousarray(v) for k, v in checkpoint.tensors.items()}
-    if shards <= 1:
-        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-        return directory
-    names = list(tensors)
-    per = -(-len(names) // shards)
-    weight_map, total = {}, 0
-    for s in range(shards):
-        part = names[s * per : (s + 1) * per]
-        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({k: tensors[k] for k in part}, str(directory / fname), metadata={"format": "pt"})
-        for k in part:
-            weight_map[k] = fname
-            total += tensors[k].nbytes
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return directory
-

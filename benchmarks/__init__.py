@@ -1,0 +1,1 @@
+"""Benchmarks: export/compile timings and serving load tests (importable so tests reach them)."""

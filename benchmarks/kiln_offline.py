@@ -1,0 +1,103 @@
+"""Kiln's offline figures, measured through the runtime a user calls (`kiln.runtime.LLM`).
+
+Same definitions as every peer (benchmarks/peers/*): prefill_N_ms is the median wall
+time to answer an N-token prompt of random token ids with one token from a fresh
+cache; decode_bsB_tok_s is B sequences' aggregate tokens/s over 128 generated tokens
+after a 128-token prompt, prefill excluded (time for 128 tokens minus time for 1).
+
+    python -m benchmarks.kiln_offline --dtype float32      # builds the model if needed
+
+The build runs in a child process so the measuring process never loads torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+DECODE_PROMPT = 128
+DECODE_TOKENS = 128
+PREFILL_LENGTHS = (128, 512)
+SHORT_DTYPE = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+def build_artifacts(dtype: str) -> Path:
+    """The bundled model built as `kiln serve --dtype` builds it (one cache entry for both)."""
+    code = (
+        "import sys\n"
+        "from kiln.export.build import build, default_build_options\n"
+        f"out = build(None, default_build_options({dtype!r}), ['cpu'], log=lambda m: print(m, file=sys.stderr))\n"
+        "print(out)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.PIPE, text=True)
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+def _random_prompts(count: int, length: int, vocab: int, rng) -> list[list[int]]:
+    # Ids from the low part of the vocabulary: ordinary tokens, no special ones.
+    return [rng.integers(100, min(vocab, 32000), length).tolist() for _ in range(count)]
+
+
+def measure(artifacts: Path, repeats: int = 3) -> dict:
+    from kiln.runtime import LLM, SamplingParams
+
+    rng = np.random.default_rng(0)
+    with LLM(artifacts, prefix_sharing="none") as llm:
+        vocab = llm.service.vocab_size
+
+        def timed(prompts, max_tokens) -> float:
+            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            started = time.perf_counter()
+            results = llm.generate(prompts, params)
+            elapsed = time.perf_counter() - started
+            assert all(len(r.completions[0].token_ids) == max_tokens for r in results)
+            return elapsed
+
+        timed(_random_prompts(1, 16, vocab, rng), 4)  # warm up every function once
+        out = {}
+        for length in PREFILL_LENGTHS:
+            times = [timed(_random_prompts(1, length, vocab, rng), 1) for _ in range(repeats)]
+            out[f"prefill_{length}_ms"] = statistics.median(times) * 1e3
+        for batch in (1, 8):
+            decode = []
+            for _ in range(repeats):
+                prompts = _random_prompts(batch, DECODE_PROMPT, vocab, rng)
+                first = timed(prompts, 1)
+                whole = timed(prompts, DECODE_TOKENS)
+                decode.append(whole - first)
+            out[f"decode_bs{batch}_tok_s"] = batch * (DECODE_TOKENS - 1) / statistics.median(decode)
+    return out
+
+
+def run(dtype: str) -> dict:
+    """Build if needed, then measure in a fresh process (no torch in it)."""
+    artifacts = build_artifacts(dtype)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.kiln_offline", "--measure", str(artifacts)],
+        check=True, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent,
+    )
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"engine": "kiln", "dtype": SHORT_DTYPE[dtype], "artifacts": str(artifacts), **figures}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="float32", choices=sorted(SHORT_DTYPE))
+    parser.add_argument("--measure", type=Path, help="measure these artifacts in this process")
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure(args.measure)))
+    else:
+        print(json.dumps(run(args.dtype), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""llama.cpp as a benchmark peer: llama-cpp-python for offline timings, and llama.cpp's
+own C++ `llama-server` (built from the source llama-cpp-python vendors) for serving.
+
+Both come from one pinned llama-cpp-python sdist, so the Python binding, the server and
+the GGUF converter are the same llama.cpp revision. Everything is built for this CPU
+(GGML_NATIVE) into `<cache>/peers/`, once.
+
+    python -m benchmarks.peers.llamacpp     # setup, then offline figures for f32 and f16
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+from .common import heavy_lock, log, make_venv, peers_dir, run_json
+
+VERSION = "0.3.36"  # llama-cpp-python; pins the llama.cpp revision too
+VENV = "llamacpp"
+# What llama.cpp's convert_hf_to_gguf.py asks for (its requirements pin transformers 4.57.6).
+CONVERT_REQUIREMENTS = ["torch==2.13.0", "transformers==4.57.6", "sentencepiece==0.2.1",
+                        "protobuf==4.25.9", "numpy==2.2.6"]
+# llama-cpp-python builds its bundled llama.cpp with these, for this CPU.
+PY_CMAKE_ARGS = "-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+SERVER_CMAKE_ARGS = [
+    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",  # no web UI: no npm, no download
+]
+TARGETS = ["llama-server", "llama-batched-bench"]
+BENCH_SCRIPT = Path(__file__).with_name("llamacpp_bench.py")
+# Context per server slot: 256 prompt + 128 generated tokens, plus room.
+SLOT_CTX = 512
+
+
+def source_root() -> Path:
+    """The unpacked llama-cpp-python sdist."""
+    return peers_dir() / "llamacpp-src" / f"llama_cpp_python-{VERSION}"
+
+
+def llama_cpp_source() -> Path:
+    """llama.cpp's source tree, as vendored by the sdist."""
+    return source_root() / "vendor" / "llama.cpp"
+
+
+def build_dir() -> Path:
+    return peers_dir() / "llamacpp-build"
+
+
+def binary(name: str) -> Path:
+    return build_dir() / "bin" / name
+
+
+def _fetch_source() -> Path:
+    """pip-download the sdist (PyPI ships only source) and unpack it, once."""
+    root = source_root()
+    marker = root.parent / f".unpacked-{VERSION}"
+    if marker.exists():
+        return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    log(f"downloading the llama-cpp-python {VERSION} sdist")
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                    f"llama-cpp-python=={VERSION}", "-d", str(root.parent)], check=True,
+                   stdout=sys.stderr)
+    with tarfile.open(root.parent / f"llama_cpp_python-{VERSION}.tar.gz") as tar:
+        tar.extractall(root.parent, filter="data")
+    marker.write_text(VERSION)
+    return root
+
+
+def python() -> Path:
+    """The venv's python: llama-cpp-python built from the unpacked sdist, and what the
+    converter needs (gguf-py from the same llama.cpp tree)."""
+    root = _fetch_source()
+    reqs = [f"--find-links={root.parent}", f"llama-cpp-python=={VERSION}",
+            str(llama_cpp_source() / "gguf-py"), *CONVERT_REQUIREMENTS]
+    env = {"CMAKE_ARGS": PY_CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": "2"}
+    return make_venv(VENV, reqs, env=env, builds=True)
+
+
+def _build_binaries() -> None:
+    """CMake-build llama-server and llama-batched-bench, once per version and flags."""
+    src, build = llama_cpp_source(), build_dir()
+    stamp = json.dumps({"version": VERSION, "cmake": SERVER_CMAKE_ARGS, "targets": TARGETS})
+    marker = build / ".kiln-built"
+    if marker.exists() and marker.read_text() == stamp and all(binary(t).exists() for t in TARGETS):
+        return
+    log(f"building {', '.join(TARGETS)} from {src}")
+    with heavy_lock():
+        start = time.monotonic()
+        subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja",
+                        *SERVER_CMAKE_ARGS], check=True, stdout=sys.stderr)
+        subprocess.run(["cmake", "--build", str(build), "-j2", "--target", *TARGETS],
+                       check=True, stdout=sys.stderr)
+    log(f"built in {time.monotonic() - start:.0f} s")
+    marker.write_text(stamp)
+
+
+def setup() -> Path:
+    """Everything llama.cpp needs, made once; returns the venv's python."""
+    py = python()
+    _build_binaries()
+    return py
+
+
+def offline(dtype: str = "f32") -> dict:
+    """Offline figures through llama-cpp-python (2 threads, greedy): prefill of 128 and
+    512 tokens, decode at batch 1 and 8 (see llamacpp_bench.py for the definitions)."""
+    from . import weights
+
+    py = setup()
+    model = weights.gguf(dtype)
+    with heavy_lock():
+        result = run_json(py, [str(BENCH_SCRIPT), "offline", str(model)])
+        check = batched_bench(dtype)
+    return {"engine": "llama.cpp", "dtype": dtype, **result, "llama_cpp_python": VERSION,
+            "llama_batched_bench": check}
+
+
+def batched_bench(dtype: str = "f32", npp: int = 128, ntg: int = 128, npl: str = "1,8") -> dict:
+    """llama.cpp's own `llama-batched-bench` (random tokens, no sampling, one run each):
+    aggregate decode tokens/s for each batch size in `npl`, a cross-check of offline()."""
+    from . import weights
+
+    setup()
+    largest = max(int(n) for n in npl.split(","))
+    cmd = [str(binary("llama-batched-bench")), "-m", str(weights.gguf(dtype)), "-t", "2", "-tb", "2",
+           "-c", str(largest * (npp + ntg) + 64), "-b", "2048", "-ub", "512",
+           "-npp", str(npp), "-ntg", str(ntg), "-npl", npl, "--output-format", "jsonl"]
+    with heavy_lock():
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return {f"decode_bs{r['pl']}_tok_s": round(r["speed_tg"], 2) for r in rows}
+
+
+def start_server(dtype: str, port: int, parallel: int = 16, ctx_per_slot: int = SLOT_CTX,
+                 log_file: Path | None = None) -> subprocess.Popen:
+    """Start `llama-server` on 127.0.0.1:`port` with `parallel` slots (continuous batching,
+    2 threads). The caller waits for /health and terminates it."""
+    from . import weights
+
+    setup()
+    cmd = [str(binary("llama-server")), "-m", str(weights.gguf(dtype)),
+           "--host", "127.0.0.1", "--port", str(port), "-t", "2", "-tb", "2",
+           "--parallel", str(parallel), "-c", str(parallel * ctx_per_slot), "--cont-batching",
+           "--no-webui", "--alias", "SmolLM2-135M-Instruct"]
+    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+
+def main() -> None:
+    from . import weights
+
+    start = time.monotonic()
+    setup()
+    log(f"setup done in {time.monotonic() - start:.0f} s")
+    with heavy_lock():  # once for the whole run: the lock is contended, not FIFO
+        weights.check_same_weights()
+        for dtype in ("f32", "f16"):
+            print(json.dumps(offline(dtype)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""Turn a results JSON into what people read: markdown tables, the issue's target ratios,
+PNG plots, and the README section between `<!-- bench -->` markers.
+
+    python -m benchmarks.report benchmarks/results/<date>.json    # re-render only
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+BEGIN, END = "<!-- bench -->", "<!-- /bench -->"
+PLOTS = {"throughput": "serving-throughput.png", "ttft": "serving-ttft.png"}
+
+
+def _num(value, fmt: str = "{:.1f}") -> str:
+    return "–" if value is None else fmt.format(value)
+
+
+def _offline_rows(results: dict) -> dict[str, dict]:
+    return {f"{r['engine']} {r['dtype']}": r for r in results.get("offline", []) if "error" not in r}
+
+
+def offline_table(results: dict) -> str:
+    lines = [
+        "| engine | decode bs1 (tok/s) | decode bs8 (tok/s) | prefill 128 (ms) | prefill 512 (ms) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, r in _offline_rows(results).items():
+        lines.append(f"| {name} | {_num(r.get('decode_bs1_tok_s'))} | {_num(r.get('decode_bs8_tok_s'))} | "
+                     f"{_num(r.get('prefill_128_ms'), '{:.0f}')} | {_num(r.get('prefill_512_ms'), '{:.0f}')} |")
+    for dtype, floor in results.get("floor", {}).items():
+        lines.append(f"| memory-bandwidth floor, {dtype} weights | {floor['tokens_per_s']:.1f} | | | |")
+    return "\n".join(lines)
+
+
+def _serving_runs(results: dict, key: str) -> dict[str, list[dict]]:
+    out = {}
+    for name, runs in results.get("serving", {}).items():
+        picked = [r for r in runs if "error" not in r and r.get(key)]
+        if picked:
+            out[name] = sorted(picked, key=lambda r: r[key])
+    return out
+
+
+def serving_table(results: dict) -> str:
+    lines = [
+        "| engine | load | out tok/s | req/s | TTFT p50 / p99 (ms) | TPOT p50 (ms) | ITL p50 / p99 (ms) | failed |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, runs in results.get("serving", {}).items():
+        for r in runs:
+            if "error" in r:
+                lines.append(f"| {name} | – | failed: see results JSON | | | | | |")
+                continue
+            load = f"concurrency {r['max_concurrency']}" if r.get("max_concurrency") else f"{r['request_rate']} req/s"
+            lines.append(
+                f"| {name} | {load} | {r['output_throughput']:.1f} | {r['request_throughput']:.2f} | "
+                f"{_num(r.get('p50_ttft_ms'), '{:.0f}')} / {_num(r.get('p99_ttft_ms'), '{:.0f}')} | "
+                f"{_num(r.get('p50_tpot_ms'))} | {_num(r.get('p50_itl_ms'))} / {_num(r.get('p99_itl_ms'))} | "
+                f"{r['failed']} |"
+            )
+    return "\n".join(lines)
+
+
+def prefix_table(results: dict) -> str:
+    prefix = results.get("prefix", {})
+    if not prefix:
+        return ""
+    lines = ["| kiln --prefix-sharing | TTFT p50 (ms) | TTFT mean (ms) | out tok/s |", "|---|---:|---:|---:|"]
+    for sharing, r in prefix.items():
+        lines.append(f"| {sharing} | {r['p50_ttft_ms']:.0f} | {r['mean_ttft_ms']:.0f} | {r['output_throughput']:.1f} |")
+    return "\n".join(lines)
+
+
+def _at_concurrency(results: dict, name: str, concurrency: int) -> dict | None:
+    for r in results.get("serving", {}).get(name, []):
+        if "error" not in r and r.get("max_concurrency") == concurrency:
+            return r
+    return None
+
+
+def targets(results: dict) -> list[tuple[str, str, bool | None]]:
+    """(target, measured ratio, met?) for each target of the issue that this run measured."""
+    rows = []
+    off = _offline_rows(results)
+
+    def ratio(a, b):
+        return None if a is None or b in (None, 0) else a / b
+
+    base = off.get("llama.cpp f32", {}).get("decode_bs1_tok_s")
+    for name, want in (("kiln f32", 1.0), ("kiln f16", 1.8)):
+        r = ratio(off.get(name, {}).get("decode_bs1_tok_s"), base)
+        if r is not None:
+            rows.append((f"decode bs1: {name} ≥ {want}x llama.cpp f32", f"{r:.2f}x", r >= want))
+    k, t = off.get("kiln f32", {}).get("prefill_512_ms"), off.get("transformers f32", {}).get("prefill_512_ms")
+    if k and t:
+        rows.append(("prefill 512: kiln f32 ≤ torch eager (transformers f32)", f"{k:.0f} vs {t:.0f} ms", k <= t))
+    kiln16 = _at_concurrency(results, "kiln f32", 16)
+    for peer, want in (("shortfin f32", 3.0), ("llama.cpp f32", 1.2)):
+        other = _at_concurrency(results, peer, 16)
+        if kiln16 and other:
+            r = ratio(kiln16["output_throughput"], other["output_throughput"])
+            rows.append((f"serving c=16: kiln out tok/s ≥ {want}x {peer}", f"{r:.2f}x", r >= want))
+            a, b = kiln16.get("p50_ttft_ms"), other.get("p50_ttft_ms")
+            if a and b:
+                rows.append((f"serving c=16: kiln TTFT p50 below {peer}", f"{a:.0f} vs {b:.0f} ms", a < b))
+    prefix = results.get("prefix", {})
+    if "trie" in prefix and "none" in prefix:
+        r = ratio(prefix["none"]["p50_ttft_ms"], prefix["trie"]["p50_ttft_ms"])
+        rows.append(("shared prefix: TTFT ≥ 3x better with the trie", f"{r:.2f}x", r >= 3.0))
+    return rows
+
+
+def targets_table(results: dict) -> str:
+    lines = ["| target | measured | met |", "|---|---|:-:|"]
+    for target, measured, met in targets(results):
+        lines.append(f"| {target} | {measured} | {'yes' if met else 'no'} |")
+    return "\n".join(lines)
+
+
+def tables(results: dict) -> str:
+    bw = results.get("membw")
+    parts = [
+        f"Measured {results.get('date', '?')} on {results.get('machine', {}).get('cpus', '?')} CPUs; "
+        f"{results.get('model', '')}."
+        + (f" Memory bandwidth (read, {bw['threads']} threads): {bw['read_gb_s']:.1f} GB/s." if bw else ""),
+        "", "Offline (batch 1 unless noted; decode after a 128-token prompt, 128 tokens):", "", offline_table(results),
+    ]
+    if results.get("serving"):
+        parts += ["", "Serving (random 256-token prompts, 128 output tokens, ignore_eos, streaming):", "",
+                  serving_table(results)]
+    if results.get("guidellm_check"):
+        parts += ["", "Cross-check with guidellm 0.8.1 (same prompts, concurrency 16):", "",
+                  "| engine | out tok/s | TTFT p50 (ms) | TPOT p50 (ms) |", "|---|---:|---:|---:|"]
+        for name, r in results["guidellm_check"].items():
+            parts.append(f"| {name} | {r['output_throughput']:.1f} | {_num(r.get('p50_ttft_ms'), '{:.0f}')} | "
+                         f"{_num(r.get('p50_tpot_ms'))} |")
+    if results.get("prefix"):
+        parts += ["", "Shared prefix (32 requests, 1024-token common prefix + 32 own tokens, 32 out, concurrency 4):",
+                  "", prefix_table(results)]
+    if targets(results):
+        parts += ["", "Targets (ratios from this one run):", "", targets_table(results)]
+    return "\n".join(parts)
+
+
+def plot(results: dict, directory: Path) -> list[Path]:
+    """Output tokens/s vs concurrency, and TTFT p50 vs request rate, one line per engine."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for key, x_label, y_key, y_label, filename in (
+        ("max_concurrency", "max concurrency", "output_throughput", "output tokens/s", PLOTS["throughput"]),
+        ("request_rate", "request rate (req/s, Poisson)", "p50_ttft_ms", "TTFT p50 (ms)", PLOTS["ttft"]),
+    ):
+        runs = _serving_runs(results, key)
+        if not runs:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
+        for name, picked in runs.items():
+            ax.plot([r[key] for r in picked], [r[y_key] or 0 for r in picked], marker="o", label=name)
+        ax.set_xlabel(x_label)
+        ax.set_ylabel(y_label)
+        if key == "max_concurrency":
+            ax.set_xscale("log", base=2)
+        else:
+            ax.set_yscale("log")
+        ax.set_title(f"SmolLM2-135M on {results.get('machine', {}).get('cpus', '?')} CPU cores")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = directory / filename
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def update_readme(readme: Path, body: str) -> None:
+    text = readme.read_text()
+    block = f"{BEGIN}\n{body}\n{END}"
+    if BEGIN in text and END in text:
+        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
+    else:
+        text = text.rstrip("\n") + "\n\n## Performance\n\n" + block + "\n"
+    readme.write_text(text)
+
+
+def write_all(results: dict, directory: Path, readme: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    images = plot(results, directory)
+    rel = [p.relative_to(readme.parent) for p in images]
+    body = tables(results) + ("\n\n" + "\n".join(f"![{p.stem}]({p.as_posix()})" for p in rel) if rel else "")
+    update_readme(readme, body)
+
+
+if __name__ == "__main__":
+    path = Path(sys.argv[1])
+    results = json.loads(path.read_text())
+    here = Path(__file__).resolve().parent
+    write_all(results, here / "results", here.parent / "README.md")
+    print(tables(results))

@@ -1,0 +1,249 @@
+"""Every figure of the performance issue in one run: Kiln beside its peers, same machine,
+same model (SmolLM2-135M-Instruct), same moment.
+
+    python -m benchmarks.run                       # everything (peers set up on first use)
+    python -m benchmarks.run --steps offline       # a part: membw, offline, serving, prefix
+    python -m benchmarks.run --engines kiln        # Kiln only (no peers)
+
+Writes benchmarks/results/<date>.json, PNG plots beside it (stable names, so the README's
+links always show the latest run) and the README table between its bench markers.
+Ratios are what to quote: absolute times drift on a shared machine. Never run by CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from benchmarks import kiln_offline, membw, report
+from benchmarks.peers.common import free_port, heavy_lock, log, stop_process, wait_http
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parent.parent
+ALL_STEPS = ("membw", "offline", "serving", "prefix")
+ALL_ENGINES = ("kiln", "llama.cpp", "transformers", "shortfin")
+
+
+# -- servers ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _serving(proc: subprocess.Popen, port: int, backend: str):
+    """Wait for a started server's /health, yield (backend, base_url), always stop it."""
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", 300, proc)
+        yield backend, f"http://127.0.0.1:{port}"
+    finally:
+        stop_process(proc)
+
+
+def kiln_server(dtype: str = "float32", prefix_sharing: str = "trie"):
+    """`kiln serve` on the artifacts `kiln serve --dtype` builds by default."""
+    artifacts = kiln_offline.build_artifacts(dtype)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kiln.cli.main", "serve", "--artifacts", str(artifacts), "--port", str(port),
+         "--no-access-log", "--log-level", "warning", "--prefix-sharing", prefix_sharing],
+        cwd=REPO,
+    )
+    return _serving(proc, port, "openai")
+
+
+def llamacpp_server(dtype: str = "f32", parallel: int = 16):
+    from benchmarks.peers import llamacpp
+
+    port = free_port()
+    return _serving(llamacpp.start_server(dtype, port, parallel=parallel), port, "openai")
+
+
+def shortfin_server():
+    from benchmarks.peers import shortfin
+
+    peer = shortfin.setup()
+    port = free_port()
+    return _serving(shortfin.start_server(peer, port), port, "shortfin")
+
+
+SERVERS = {
+    "kiln f32": lambda: kiln_server("float32"),
+    "kiln f16": lambda: kiln_server("float16"),
+    "llama.cpp f32": lambda: llamacpp_server("f32"),
+    "llama.cpp f16": lambda: llamacpp_server("f16"),
+    "shortfin f32": shortfin_server,
+}
+
+
+# -- steps --------------------------------------------------------------------------------------
+
+
+def step_membw(results: dict, args) -> None:
+    results["membw"] = membw.measure()
+    log(f"memory bandwidth: read {results['membw']['read_gb_s']:.1f} GB/s")
+
+
+def step_offline(results: dict, args) -> None:
+    rows = results.setdefault("offline", [])
+    jobs = []
+    if "kiln" in args.engines:
+        jobs += [("kiln f32", lambda: kiln_offline.run("float32")), ("kiln f16", lambda: kiln_offline.run("float16"))]
+    if "llama.cpp" in args.engines:
+        from benchmarks.peers import llamacpp
+
+        jobs += [("llama.cpp f32", lambda: llamacpp.offline("f32")), ("llama.cpp f16", lambda: llamacpp.offline("f16"))]
+    if "transformers" in args.engines:
+        from benchmarks.peers import transformers_peer
+
+        jobs += [("transformers f32", transformers_peer.offline)]
+    for name, job in jobs:
+        log(f"offline: {name}")
+        rows.append(_guarded(name, job))
+    if "membw" in results:
+        weights = _weight_bytes()
+        results["floor"] = {
+            dtype: membw.decode_floor(n, results["membw"]["read_gb_s"]) for dtype, n in weights.items()
+        }
+
+
+def _weight_bytes() -> dict[str, int]:
+    """Bytes a batch-1 decode step must read: every parameter once (a tied embedding is read
+    whole by the output projection), at 4 bytes (f32) or 2 (f16)."""
+    from kiln.runtime.config import ModelParams  # noqa: F401  (the runtime's view of the export)
+    from benchmarks.peers import weights
+
+    config = json.loads((weights.hf_dir() / "config.json").read_text())
+    h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    layers, heads, kv = config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]
+    d = h // heads
+    per_layer = h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * i + 2 * h
+    params = layers * per_layer + v * h + h
+    return {"f32": params * 4, "f16": params * 2}
+
+
+def step_serving(results: dict, args) -> None:
+    from benchmarks import loadgen
+
+    out = results.setdefault("serving", {})
+    for name in args.servers:
+        engine = name.split()[0]
+        if engine not in args.engines:
+            continue
+        log(f"serving: {name}")
+        runs = []
+        try:
+            with SERVERS[name]() as (backend, url):
+                tokenizer = _tokenizer_for_loadgen()
+                for concurrency in args.concurrency:
+                    workload = loadgen.make_workload("random", tokenizer,
+                                                     num_requests=int(max(8, 2 * concurrency) * args.scale),
+                                                     seed=concurrency)
+                    runs.append(loadgen.run(backend, url, workload, concurrency=concurrency))
+                    _say(name, runs[-1])
+                for index, rate in enumerate(args.rates):
+                    # A seed of its own per run: a server's prefix cache must not carry a
+                    # previous run's prompts into this one.
+                    workload = loadgen.make_workload("random", tokenizer, num_requests=int(24 * args.scale),
+                                                     seed=100 + index)
+                    runs.append(loadgen.run(backend, url, workload, rate=rate))
+                    _say(name, runs[-1])
+                if args.guidellm and backend == "openai":
+                    # The issue's well-kept load generator, as a cross-check of our client at
+                    # the headline load (it keeps no per-gap ITL, so it is not the main series).
+                    workload = loadgen.make_workload("random", tokenizer, num_requests=int(32 * args.scale), seed=200)
+                    check = loadgen.run(backend, url, workload, concurrency=16, use_guidellm=True)
+                    results.setdefault("guidellm_check", {})[name] = check
+                    _say(f"{name} (guidellm)", check)
+        except Exception:  # one engine failing must not lose the others' figures
+            runs.append({"error": traceback.format_exc(limit=3)})
+            log(f"serving {name} failed:\n{runs[-1]['error']}")
+        out[name] = runs
+
+
+def step_prefix(results: dict, args) -> None:
+    from benchmarks import loadgen
+
+    out = results.setdefault("prefix", {})
+    tokenizer = _tokenizer_for_loadgen()
+    workload = loadgen.make_workload("shared_prefix", tokenizer, num_requests=32, seed=7)
+    for sharing in ("trie", "none"):
+        log(f"shared prefix: kiln --prefix-sharing {sharing}")
+        with kiln_server("float32", sharing) as (backend, url):
+            out[sharing] = loadgen.run(backend, url, workload, concurrency=4)
+            _say(f"kiln {sharing}", out[sharing])
+
+
+def _tokenizer_for_loadgen() -> Path:
+    return kiln_offline.build_artifacts("float32") / "tokenizer.json"
+
+
+def _say(name: str, metrics: dict) -> None:
+    load = f"c={metrics['max_concurrency']}" if metrics.get("max_concurrency") else f"rate={metrics.get('request_rate')}"
+    log(f"  {name} {load}: {metrics['output_throughput']:.1f} out tok/s, TTFT p50 "
+        f"{(metrics.get('p50_ttft_ms') or 0):.0f} ms, failed {metrics['failed']}")
+
+
+def _guarded(name: str, job) -> dict:
+    started = time.monotonic()
+    try:
+        row = job()
+    except Exception:
+        row = {"engine": name.split()[0], "dtype": name.split()[1], "error": traceback.format_exc(limit=3)}
+        log(f"{name} failed:\n{row['error']}")
+    row["seconds"] = time.monotonic() - started
+    return row
+
+
+STEPS = {"membw": step_membw, "offline": step_offline, "serving": step_serving, "prefix": step_prefix}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", default=",".join(ALL_STEPS))
+    parser.add_argument("--engines", default=",".join(ALL_ENGINES))
+    parser.add_argument("--servers", default=",".join(SERVERS), help="serving runs, e.g. 'kiln f32,shortfin f32'")
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--rates", default="0.5,1,2,4", help="Poisson request rates (req/s)")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply the request counts")
+    parser.add_argument("--no-guidellm", dest="guidellm", action="store_false",
+                        help="skip the guidellm cross-check at concurrency 16")
+    parser.add_argument("--output", type=Path, help="results JSON (default: results/<date>.json)")
+    args = parser.parse_args(argv)
+    args.steps = [s for s in args.steps.split(",") if s]
+    args.engines = [e for e in args.engines.split(",") if e]
+    args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.rates = [float(r) for r in args.rates.split(",")]
+    unknown = [s for s in args.steps if s not in STEPS] + [s for s in args.servers if s not in SERVERS]
+    if unknown:
+        parser.error(f"unknown step/server: {', '.join(unknown)}")
+
+    today = datetime.date.today().isoformat()
+    output = args.output or RESULTS_DIR / f"{today}.json"
+    results = json.loads(output.read_text()) if output.exists() else {}
+    results.update({
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+                    "python": platform.python_version()},
+        "model": "SmolLM2-135M-Instruct (bundled Q4_1 GGUF, dequantized; the same weights for every engine)",
+    })
+    with heavy_lock():
+        for step in args.steps:
+            STEPS[step](results, args)
+            output.parent.mkdir(parents=True, exist_ok=True)
+            output.write_text(json.dumps(results, indent=2) + "\n")  # keep what is done so far
+    report.write_all(results, RESULTS_DIR, REPO / "README.md")
+    print(report.tables(results))
+    log(f"saved {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

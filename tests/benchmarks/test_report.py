@@ -1,0 +1,67 @@
+"""The benchmark report: tables, target ratios and the README block, from a synthetic run."""
+
+from __future__ import annotations
+
+from benchmarks import membw, report
+
+
+def serving(concurrency=None, rate=None, out=100.0, ttft=200.0):
+    return {"max_concurrency": concurrency, "request_rate": rate, "output_throughput": out,
+            "request_throughput": out / 128, "p50_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft,
+            "p50_tpot_ms": 20.0, "p50_itl_ms": 20.0, "p99_itl_ms": 40.0, "failed": 0, "mean_ttft_ms": ttft}
+
+
+RESULTS = {
+    "date": "2026-11-22T08:00:00", "machine": {"cpus": 2}, "model": "SmolLM2",
+    "membw": {"threads": 2, "read_gb_s": 40.0},
+    "floor": {"f32": membw.decode_floor(540_000_000, 40.0)},
+    "offline": [
+        {"engine": "kiln", "dtype": "f32", "decode_bs1_tok_s": 60.0, "decode_bs8_tok_s": 200.0,
+         "prefill_128_ms": 100.0, "prefill_512_ms": 500.0},
+        {"engine": "kiln", "dtype": "f16", "decode_bs1_tok_s": 85.0, "decode_bs8_tok_s": 250.0,
+         "prefill_128_ms": 150.0, "prefill_512_ms": 700.0},
+        {"engine": "llama.cpp", "dtype": "f32", "decode_bs1_tok_s": 50.0, "decode_bs8_tok_s": 150.0,
+         "prefill_128_ms": 90.0, "prefill_512_ms": 400.0},
+        {"engine": "transformers", "dtype": "f32", "decode_bs1_tok_s": 20.0, "decode_bs8_tok_s": 80.0,
+         "prefill_128_ms": 200.0, "prefill_512_ms": 900.0},
+        {"engine": "shortfin", "dtype": "f32", "error": "Traceback ..."},
+    ],
+    "serving": {
+        "kiln f32": [serving(1, out=50), serving(16, out=300, ttft=300), serving(rate=1.0, ttft=150)],
+        "llama.cpp f32": [serving(16, out=200, ttft=400)],
+        "shortfin f32": [{"error": "Traceback ..."}],
+    },
+    "prefix": {"trie": serving(4, ttft=100), "none": serving(4, ttft=450)},
+}
+
+
+def test_targets_are_ratios_of_one_run():
+    targets = {name: (measured, met) for name, measured, met in report.targets(RESULTS)}
+    assert targets["decode bs1: kiln f32 ≥ 1.0x llama.cpp f32"] == ("1.20x", True)
+    assert targets["decode bs1: kiln f16 ≥ 1.8x llama.cpp f32"] == ("1.70x", False)
+    assert targets["prefill 512: kiln f32 ≤ torch eager (transformers f32)"] == ("500 vs 900 ms", True)
+    assert targets["serving c=16: kiln out tok/s ≥ 1.2x llama.cpp f32"] == ("1.50x", True)
+    assert targets["serving c=16: kiln TTFT p50 below llama.cpp f32"] == ("300 vs 400 ms", True)
+    assert targets["shared prefix: TTFT ≥ 3x better with the trie"] == ("4.50x", True)
+    assert not any("shortfin" in name for name in targets)  # its run failed: no ratio invented
+
+
+def test_tables_show_failures_and_the_floor():
+    text = report.tables(RESULTS)
+    assert "| kiln f32 | 60.0 | 200.0 | 100 | 500 |" in text
+    assert "memory-bandwidth floor, f32 weights | 74.1" in text
+    assert "| shortfin f32 | – | failed: see results JSON |" in text
+    assert "shortfin f32 | error" not in text
+
+
+def test_readme_block_is_replaced_in_place(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{report.BEGIN}\nold\n{report.END}\n\n## after\n")
+    report.update_readme(readme, "new table")
+    assert readme.read_text() == f"# x\n\n{report.BEGIN}\nnew table\n{report.END}\n\n## after\n"
+
+
+def test_plots_are_written(tmp_path):
+    written = report.plot(RESULTS, tmp_path)
+    assert [p.name for p in written] == [report.PLOTS["throughput"], report.PLOTS["ttft"]]
+    assert all(p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG" for p in written)
