@@ -46,13 +46,20 @@ def measure(threads: int | None = None, repeats: int = 5) -> dict:
     target = np.empty_like(data)
     chunks = np.array_split(data, threads)
     target_chunks = np.array_split(target, threads)
-    reads = [_timed_threads(np.add.reduce, [(c,) for c in chunks]) for _ in range(repeats)]
+    sums = [_timed_threads(np.add.reduce, [(c,) for c in chunks]) for _ in range(repeats)]
+    # A matrix-vector product reads the matrix once with the BLAS's vector loads (and
+    # threads): numpy's reduction can be compute-bound before memory is.
+    matrix, ones = data.reshape(-1, 1024), np.ones(1024, np.float32)
+    gemvs = [_timed_threads(np.dot, [(matrix, ones)]) for _ in range(repeats)]
     copies = [_timed_threads(np.copyto, list(zip(target_chunks, chunks))) for _ in range(repeats)]
+    reads = sums + gemvs
     return {
         "threads": threads,
         "buffer_bytes": BUFFER_BYTES,
         "read_gb_s": BUFFER_BYTES / min(reads) / 1e9,
         "read_gb_s_median": BUFFER_BYTES / statistics.median(reads) / 1e9,
+        "sum_gb_s": BUFFER_BYTES / min(sums) / 1e9,
+        "gemv_gb_s": BUFFER_BYTES / min(gemvs) / 1e9,
         # A copy moves each byte twice: read once, written once.
         "copy_gb_s": 2 * BUFFER_BYTES / min(copies) / 1e9,
     }
