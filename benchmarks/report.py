@@ -39,7 +39,7 @@ def offline_table(results: dict) -> str:
 def _serving_runs(results: dict, key: str) -> dict[str, list[dict]]:
     out = {}
     for name, runs in results.get("serving", {}).items():
-        picked = [r for r in runs if "error" not in r and r.get(key)]
+        picked = [r for r in runs if "error" not in r and r.get(key) and r.get("completed")]
         if picked:
             out[name] = sorted(picked, key=lambda r: r[key])
     return out
@@ -76,8 +76,10 @@ def prefix_table(results: dict) -> str:
 
 
 def _at_concurrency(results: dict, name: str, concurrency: int) -> dict | None:
+    """That engine's run at this concurrency, if it completed requests (a cut-short run
+    whose every request failed has no throughput to compare)."""
     for r in results.get("serving", {}).get(name, []):
-        if "error" not in r and r.get("max_concurrency") == concurrency:
+        if "error" not in r and r.get("max_concurrency") == concurrency and r.get("completed"):
             return r
     return None
 

@@ -107,6 +107,32 @@ def run_json(python: Path | str, args: list[str], env: dict[str, str] | None = N
     raise RuntimeError(f"{args[0]} printed no JSON object; stdout was:\n{out[-2000:]}")
 
 
+def _busy_jiffies() -> int:
+    """CPU time (clock ticks) the whole machine has spent busy since boot."""
+    with open("/proc/stat") as f:
+        user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    return user + nice + system + irq + softirq + steal
+
+
+@contextlib.contextmanager
+def others_cpu(report: dict):
+    """Measure how busy the machine was with *other* processes (not us, not our waited-for
+    children) while the block ran; sets report["others_cpu_pct"] (of all cores). The heavy
+    lock only helps against those who take it: this shows when someone did not."""
+    tick, ncpu = os.sysconf("SC_CLK_TCK"), os.cpu_count() or 1
+    t0, busy0, wall0 = os.times(), _busy_jiffies(), time.monotonic()
+    try:
+        yield report
+    finally:
+        t1, busy1, wall = os.times(), _busy_jiffies(), time.monotonic() - wall0
+        ours = sum(t1[:4]) - sum(t0[:4])  # user, system, children's user and system (s)
+        others = max(0.0, (busy1 - busy0) / tick - ours)
+        report["others_cpu_pct"] = round(100 * others / (wall * ncpu), 1)
+        if report["others_cpu_pct"] > 5:
+            log(f"warning: other processes used {report['others_cpu_pct']}% of the CPUs "
+                "during the measurement; figures may be low")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as s:

@@ -17,7 +17,7 @@ import tarfile
 import time
 from pathlib import Path
 
-from .common import heavy_lock, log, make_venv, peers_dir, run_json
+from .common import heavy_lock, log, make_venv, others_cpu, peers_dir, run_json
 
 VERSION = "0.3.36"  # llama-cpp-python; pins the llama.cpp revision too
 VENV = "llamacpp"
@@ -114,11 +114,11 @@ def offline(dtype: str = "f32") -> dict:
 
     py = setup()
     model = weights.gguf(dtype)
-    with heavy_lock():
+    with heavy_lock(), others_cpu({}) as load:
         result = run_json(py, [str(BENCH_SCRIPT), "offline", str(model)])
         check = batched_bench(dtype)
     return {"engine": "llama.cpp", "dtype": dtype, **result, "llama_cpp_python": VERSION,
-            "llama_batched_bench": check}
+            "llama_batched_bench": check, **load}
 
 
 def batched_bench(dtype: str = "f32", npp: int = 128, ntg: int = 128, npl: str = "1,8") -> dict:

@@ -10,7 +10,7 @@ import json
 import time
 from pathlib import Path
 
-from .common import heavy_lock, log, make_venv, run_json
+from .common import heavy_lock, log, make_venv, others_cpu, run_json
 
 VENV = "transformers"
 REQUIREMENTS = ["torch==2.13.0", "transformers==5.23.0", "safetensors==0.8.0"]
@@ -28,9 +28,9 @@ def offline() -> dict:
 
     py = setup()
     directory = weights.hf_dir()
-    with heavy_lock():
+    with heavy_lock(), others_cpu({}) as load:
         result = run_json(py, [str(BENCH_SCRIPT), "offline", str(directory)])
-    return {"engine": "transformers", "dtype": "f32", **result}
+    return {"engine": "transformers", "dtype": "f32", **result, **load}
 
 
 def greedy(text: str, n: int) -> dict:

@@ -8,7 +8,8 @@ from benchmarks import membw, report
 def serving(concurrency=None, rate=None, out=100.0, ttft=200.0):
     return {"max_concurrency": concurrency, "request_rate": rate, "output_throughput": out,
             "request_throughput": out / 128, "p50_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft,
-            "p50_tpot_ms": 20.0, "p50_itl_ms": 20.0, "p99_itl_ms": 40.0, "failed": 0, "mean_ttft_ms": ttft}
+            "p50_tpot_ms": 20.0, "p50_itl_ms": 20.0, "p99_itl_ms": 40.0, "failed": 0, "mean_ttft_ms": ttft,
+            "completed": 8}
 
 
 RESULTS = {
@@ -29,7 +30,7 @@ RESULTS = {
     "serving": {
         "kiln f32": [serving(1, out=50), serving(16, out=300, ttft=300), serving(rate=1.0, ttft=150)],
         "llama.cpp f32": [serving(16, out=200, ttft=400)],
-        "shortfin f32": [{"error": "Traceback ..."}],
+        "shortfin f32": [{"error": "Traceback ..."}, {**serving(16, out=0.0), "completed": 0}],  # cut short
     },
     "prefix": {"trie": serving(4, ttft=100), "none": serving(4, ttft=450)},
 }
