@@ -258,10 +258,11 @@ def start_server(peer: ShortfinPeer, port: int, *, ignore_eos: bool = True,
     """shortfin's LLM server on 127.0.0.1:`port` (local-task: IREE's CPU task executor). Ready
     when GET /health answers 200 (it does once the model is loaded: the app starts after).
     `ignore_eos`: requests run to max_completion_tokens, like the other engines' ignore_eos.
-    `prefix_sharing`: "none" (shortfin's default) or "trie" (Kiln's default). shortfin 3.9.0's
-    trie runs out of pages after a few dozen requests ("Failed to acquire pages even after
-    attempting eviction from LRU leaves") and then answers 200 with an empty `responses`
-    list, so it is not the default here.
+    `prefix_sharing`: "none" (shortfin's default) or "trie" (Kiln's default). With shortfin
+    3.9.0's trie, after 17 requests of 256 + 128 tokens at concurrency 16 the next ones failed
+    ("Failed to acquire pages even after attempting eviction from LRU leaves", answered 200
+    with an empty `responses` list), so it is not the default here.
+    A hung server ignores SIGTERM while requests are open: stop_server() kills it after 30 s.
     Output goes to artifacts/serve/<port>/server.log."""
     config, tok_config = _server_files(peer, port, ignore_eos, kv_pages)
     log_path = config.parent / "server.log"
