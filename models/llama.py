@@ -114,21 +114,23 @@ class Attention(nn.Module):
         kv_heads, s = keys_t.shape[1], keys_t.shape[3]
         group = heads // kv_heads
         dtype = q.dtype
+        if t == 1:
+            # Decode keeps SDPA: the matmul form below, at T = 1, is miscompiled by IREE
+            # 3.13 for decode_bs1 on SmolLM2's shapes (wrong logits; batch 4+ are right).
+            keys = keys_t.transpose(2, 3).to(dtype).repeat_interleave(group, dim=1)
+            out = F.scaled_dot_product_attention(
+                q, keys, values.to(dtype).repeat_interleave(group, dim=1), attn_mask=bias == 0
+            )
+            return self.o_proj(out.transpose(1, 2).reshape(n, t, heads * d))
         q = q.float().reshape(n, kv_heads, group * t, d)
         scores = torch.matmul(q, keys_t.float()) * (1.0 / math.sqrt(d))
         scores = scores.view(n, kv_heads, group, t, s) + bias.view(n, 1, 1, t, s)
         blocks = scores.view(n, kv_heads, group, t, s // block, block)
         weights = torch.exp(blocks - blocks.amax(dim=(-2, -1), keepdim=True))
-        if t == 1:
-            # Decode: normalize after the product. Before it, IREE fuses the division into
-            # the matmul and emits a zero-sized `affine.delinearize_index` for T = 1.
-            total = weights.sum(dim=(-2, -1)).view(n, kv_heads, group, 1)
-            out = torch.matmul(weights.view(n, kv_heads, group, s), values.float()) / total
-        else:
-            # Prefill: normalize first. After the product, IREE fuses the division into the
-            # output projection's data-tiled packing and needs a dynamic stack allocation.
-            weights = weights / weights.sum(dim=(-2, -1), keepdim=True)
-            out = torch.matmul(weights.view(n, kv_heads, group * t, s), values.float())
+        # Normalized before the product: after it, IREE fuses the division into the output
+        # projection's data-tiled packing and needs a dynamic stack allocation.
+        weights = weights / weights.sum(dim=(-2, -1), keepdim=True)
+        out = torch.matmul(weights.view(n, kv_heads, group * t, s), values.float())
         out = out.view(n, heads, t, d).transpose(1, 2).reshape(n, t, heads * d)
         return self.o_proj(out.to(dtype))
 
