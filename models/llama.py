@@ -99,10 +99,10 @@ class Attention(nn.Module):
         n, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(n, t, self.n_heads * self.head_dim))
 
-    def attend_paged(self, q, keys_t, values, bias, block):
+    def attend_paged(self, q, keys, values, bias, block):
         """Attention over cached pages, written as matmuls and a blocked softmax.
 
-        q [N,H,T,D]; keys_t [N,Hkv,D,S] (keys transposed); values [N,Hkv,S,D]; bias
+        q [N,H,T,D]; keys, values [N,Hkv,S,D]; bias
         [N,1,T,S] (0 where a query may look, a large negative number elsewhere);
         S is a multiple of `block`. Why not SDPA: IREE lowers it to a fused attention
         op whose llvm-cpu code is ~10x slower than this at 512 tokens, and a softmax
@@ -111,26 +111,31 @@ class Attention(nn.Module):
         matmul, so K/V are read once per group and never copied.
         """
         n, heads, t, d = q.shape
-        kv_heads, s = keys_t.shape[1], keys_t.shape[3]
+        kv_heads, s = keys.shape[1], keys.shape[2]
         group = heads // kv_heads
         dtype = q.dtype
-        if t == 1:
-            # Decode keeps SDPA: the matmul form below, at T = 1, is miscompiled by IREE
-            # 3.13 for decode_bs1 on SmolLM2's shapes (wrong logits; batch 4+ are right).
-            keys = keys_t.transpose(2, 3).to(dtype).repeat_interleave(group, dim=1)
+        if n == 1 and t == 1:
+            # Batch-1 decode keeps SDPA: IREE 3.13 miscompiles the matmul form below at
+            # N = 1, T = 1 on SmolLM2's shapes (wrong logits; batch 2+ are right).
             out = F.scaled_dot_product_attention(
-                q, keys, values.to(dtype).repeat_interleave(group, dim=1), attn_mask=bias == 0
+                q, keys.to(dtype).repeat_interleave(group, dim=1), values.to(dtype).repeat_interleave(group, dim=1), attn_mask=bias == 0
             )
             return self.o_proj(out.transpose(1, 2).reshape(n, t, heads * d))
         q = q.float().reshape(n, kv_heads, group * t, d)
-        scores = torch.matmul(q, keys_t.float()) * (1.0 / math.sqrt(d))
+        scores = torch.matmul(q, keys.float().transpose(2, 3)) * (1.0 / math.sqrt(d))
         scores = scores.view(n, kv_heads, group, t, s) + bias.view(n, 1, 1, t, s)
         blocks = scores.view(n, kv_heads, group, t, s // block, block)
         weights = torch.exp(blocks - blocks.amax(dim=(-2, -1), keepdim=True))
-        # Normalized before the product: after it, IREE fuses the division into the output
-        # projection's data-tiled packing and needs a dynamic stack allocation.
-        weights = weights / weights.sum(dim=(-2, -1), keepdim=True)
-        out = torch.matmul(weights.view(n, kv_heads, group * t, s), values.float())
+        if t == 1:
+            # Decode normalizes after the product: before it, IREE fuses the division into
+            # the matmul and emits a zero-sized `affine.delinearize_index` at T = 1.
+            total = weights.sum(dim=(-2, -1)).view(n, kv_heads, group, 1)
+            out = torch.matmul(weights.view(n, kv_heads, group, s), values.float()) / total
+        else:
+            # Prefill normalizes first: after the product, IREE fuses the division into the
+            # output projection's data-tiled packing and needs a dynamic stack allocation.
+            weights = weights / weights.sum(dim=(-2, -1), keepdim=True)
+            out = torch.matmul(weights.view(n, kv_heads, group * t, s), values.float())
         out = out.view(n, heads, t, d).transpose(1, 2).reshape(n, t, heads * d)
         return self.o_proj(out.to(dtype))
 
@@ -262,10 +267,10 @@ class PagedLlama(nn.Module):
         hidden = (key_pos - last_visible).clamp(0, 1)  # [N,T,B*stride]: 1 = may not look
         bias = (hidden.float() * MASKED_SCORE).unsqueeze(1)  # [N,1,T,B*stride]
 
-        # Views of the cache: rows of one head's slot for writing, whole (page, layer, k|v)
-        # slabs for reading.
+        # Views of the cache: rows of one head's slot for writing; one head's page of K or V
+        # ([stride, D], contiguous) for reading, gathered straight into [N,Hkv,B*stride,D].
         slot_rows = cache.view(-1, head_dim)
-        slabs = cache.view(-1, kv_heads, stride, head_dim)
+        head_pages = cache.view(-1, stride, head_dim)
         head = torch.arange(kv_heads).view(1, kv_heads, 1)
 
         for index, layer in enumerate(self.model.layers):
@@ -275,9 +280,10 @@ class PagedLlama(nn.Module):
                 slab = (write_page * layers + index) * 2 + kv  # [N,T]
                 rows = (slab.unsqueeze(1) * kv_heads + head) * stride + write_slot.unsqueeze(1)
                 slot_rows.index_put_((rows,), new.to(cache.dtype))  # rows [N,Hkv,T]
-            read = (seq_block_ids * layers + index) * 2  # [N,B]
-            keys_t = slabs[read].permute(0, 2, 4, 1, 3).reshape(n, kv_heads, head_dim, blocks * stride)
-            values = slabs[read + 1].transpose(1, 2).reshape(n, kv_heads, blocks * stride, head_dim)
-            h = h + attn.attend_paged(q, keys_t, values, bias, stride)
+            # The K page of each (row, head, block); its V page follows kv_heads pages later.
+            read = ((seq_block_ids * layers + index) * 2).unsqueeze(1) * kv_heads + head  # [N,Hkv,B]
+            keys = head_pages[read].view(n, kv_heads, blocks * stride, head_dim)
+            values = head_pages[read + kv_heads].view(n, kv_heads, blocks * stride, head_dim)
+            h = h + attn.attend_paged(q, keys, values, bias, stride)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return h
