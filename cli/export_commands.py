@@ -46,11 +46,14 @@ def _positive_int(text: str) -> int:
 def add_export_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--bs-prefill", type=_batch_sizes, default=[1, 4], help="prefill batch sizes, e.g. 1,4")
-    parser.add_argument("--bs-decode", type=_batch_sizes, default=[1, 4, 8], help="decode batch sizes, e.g. 1,4,8")
+    parser.add_argument("--bs-decode", type=_batch_sizes, default=[2, 4, 8],
+                        help="decode batch sizes, e.g. 2,4,8 (a batch of 2 decodes one sequence faster than 1)")
     parser.add_argument("--block-seq-stride", type=_positive_int, default=16, help="tokens per KV-cache page")
     parser.add_argument("--device-block-count", type=_positive_int, default=256, help="default KV-cache pages")
     parser.add_argument("--max-seq-len", type=_positive_int, default=0, help="longest sequence (default: model context, at most 8192)")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    parser.add_argument("--kv-cache-dtype", choices=["float32", "float16", "bfloat16"], default="",
+                        help="the KV cache's element type (default: --dtype); float16 halves its bytes")
     parser.add_argument("--prefill-final-logits", action="store_true", help="prefill returns only each row's last logits")
     parser.add_argument("--top-k", type=_positive_int, default=None, help="functions return top-k values and ids, not logits")
     parser.add_argument("--logits-normalization", choices=["none", "softmax", "log_softmax"], default="none")
@@ -71,6 +74,7 @@ def options_from_args(args):
         device_block_count=args.device_block_count,
         max_seq_len=args.max_seq_len,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         prefill_final_logits=args.prefill_final_logits,
         top_k=args.top_k,
         logits_normalization=args.logits_normalization,

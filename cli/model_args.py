@@ -25,6 +25,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", type=Path, help="HF directory or .gguf to build (export + compile) on first use")
     group.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
                        help="with --model or the default model: the dtype to build")
+    group.add_argument("--kv-cache-dtype", choices=["float32", "float16", "bfloat16"], default="",
+                       help="with --model or the default model: the KV cache's element type (default: --dtype)")
     group.add_argument("--device", default="local-task", help="local-task (CPU), cuda, hip")
     group.add_argument("--device-ids", default=None, help="device id(s), e.g. 0")
 
@@ -65,5 +67,5 @@ def resolve_artifacts(args, log=lambda line: print(line, file=sys.stderr, flush=
         ) from None
     if not args.device.startswith("local"):
         raise ModelChoiceError("building on first use targets the CPU: pass --artifacts for GPU builds")
-    directory = build(args.model, default_build_options(args.dtype), ["cpu"], log=log)
+    directory = build(args.model, default_build_options(args.dtype, args.kv_cache_dtype), ["cpu"], log=log)
     return Artifacts.in_directory(directory, "model_cpu.vmfb")

@@ -67,7 +67,7 @@ def model_params(checkpoint: Checkpoint, options: ExportOptions) -> ModelParams:
             block_seq_stride=options.block_seq_stride,
             attention_head_count_kv=c.num_key_value_heads,
             device_block_count=options.device_block_count,
-            kv_cache_dtype=options.dtype,
+            kv_cache_dtype=options.cache_dtype,
         ),
     )
 

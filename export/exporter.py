@@ -47,7 +47,7 @@ def trace_module(model: PagedLlama, options: ExportOptions, log=print) -> aot.Ex
 
     stride = options.block_seq_stride
     max_blocks = options.max_seq_len // stride
-    cache_dtype = TORCH_DTYPES[options.dtype]
+    cache_dtype = TORCH_DTYPES[options.cache_dtype]
     example_pages = max(options.device_block_count, 4)
     fxb = aot.FxProgramsBuilder(model)
 

@@ -35,7 +35,7 @@ def greedy(program, prompt_ids, steps):
     out = [int(logits[0, len(prompt_ids) - 1].argmax())]
     while len(out) < steps:
         position = len(prompt_ids) + len(out) - 1
-        out.append(int(driver.decode(seqs, [out[-1]], [position], batch=1)[0, 0].argmax()))
+        out.append(int(driver.decode(seqs, [out[-1]], [position], batch=2)[0, 0].argmax()))
     return out
 
 
@@ -57,7 +57,7 @@ def test_teacher_forced_logits_match_torch(program, tokenizer, smollm2_checkpoin
     logits = driver.prefill(seqs[:1], [prompt], batch=1)
     assert relative_error(logits[0, :30], want[:30]) < 1e-4
     for position in range(30, len(ids)):
-        logits = driver.decode(seqs[:1], [ids[position]], [position], batch=1)
+        logits = driver.decode(seqs[:1], [ids[position]], [position], batch=2)
         assert relative_error(logits[0, 0], want[position]) < 1e-4
     # The same prompt as one row of a batch of 4 gives the same logits.
     batch = driver.prefill(seqs[1:3], [ids[:20], prompt], batch=4)
