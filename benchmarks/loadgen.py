@@ -19,6 +19,7 @@ in which case TTFT is the whole latency and the result says so with `ttft_is_e2e
 
 from __future__ import annotations
 
+import abc
 import argparse
 import asyncio
 import json
@@ -230,13 +231,64 @@ async def _http_error(response: httpx.Response) -> str:
     return f"HTTP {response.status_code}: {body[:300]}"
 
 
-class OpenAIBackend:
+class _Backend(abc.ABC):
+    """One request: POST the payload, read an SSE stream (or, where `streams` says no, one body)."""
+
+    path = ""
+    no_text = "the response carried no text"
+
+    def __init__(self, base_url: str):
+        self.base_url = base_url.rstrip("/")
+
+    async def prepare(self, client: httpx.AsyncClient) -> None:
+        return None
+
+    @abc.abstractmethod
+    def payload(self, prompt: str, max_tokens: int) -> dict:
+        """The request body."""
+
+    def streams(self, response: httpx.Response) -> bool:
+        return True
+
+    def on_body(self, result: RequestResult, now: float, t0: float, body: bytes) -> None:
+        result.error = f"expected a stream, got: {body[:200]!r}"
+
+    async def send(self, client: httpx.AsyncClient, prompt: str, max_tokens: int) -> RequestResult:
+        result = RequestResult()
+        t0 = time.perf_counter()
+        try:
+            async with client.stream("POST", f"{self.base_url}{self.path}",
+                                     json=self.payload(prompt, max_tokens)) as response:
+                if response.status_code != 200:
+                    result.error = await _http_error(response)
+                    return result
+                if self.streams(response):
+                    parser = SSEParser()
+                    async for chunk in response.aiter_bytes():
+                        now = time.perf_counter()
+                        for event, data in parser.feed(chunk):
+                            self.on_event(result, now, t0, event, data)
+                    for event, data in parser.close():
+                        self.on_event(result, time.perf_counter(), t0, event, data)
+                else:
+                    self.on_body(result, time.perf_counter(), t0, await response.aread())
+        except Exception as error:  # noqa: BLE001 - recorded: a failed request is a result too
+            result.error = result.error or f"{type(error).__name__}: {error}"
+        if not result.error and result.ttft is None:
+            result.error = self.no_text
+        return result
+
+
+class OpenAIBackend(_Backend):
     """POST {base}/v1/completions, streamed with usage: Kiln and llama.cpp's llama-server."""
 
     name = "openai"
+    path = "/v1/completions"
+    no_text = "the stream carried no text"
 
     def __init__(self, base_url: str, model: str | None = None):
-        self.base_url, self.model = base_url.rstrip("/"), model
+        super().__init__(base_url)
+        self.model = model
 
     async def prepare(self, client: httpx.AsyncClient) -> None:
         """Ask /v1/models for the name when none was given (Kiln answers 404 to a wrong one)."""
@@ -254,28 +306,6 @@ class OpenAIBackend:
         if self.model:
             body["model"] = self.model
         return body
-
-    async def send(self, client: httpx.AsyncClient, prompt: str, max_tokens: int) -> RequestResult:
-        result = RequestResult()
-        t0 = time.perf_counter()
-        try:
-            async with client.stream("POST", f"{self.base_url}/v1/completions",
-                                     json=self.payload(prompt, max_tokens)) as response:
-                if response.status_code != 200:
-                    result.error = await _http_error(response)
-                    return result
-                parser = SSEParser()
-                async for chunk in response.aiter_bytes():
-                    now = time.perf_counter()
-                    for event, data in parser.feed(chunk):
-                        self.on_event(result, now, t0, event, data)
-                for event, data in parser.close():
-                    self.on_event(result, time.perf_counter(), t0, event, data)
-        except Exception as error:  # noqa: BLE001 - recorded: a failed request is a result too
-            result.error = result.error or f"{type(error).__name__}: {error}"
-        if not result.error and result.ttft is None:
-            result.error = "the stream carried no text"
-        return result
 
     @staticmethod
     def on_event(result: RequestResult, now: float, t0: float, event: str, data: str) -> None:
@@ -296,7 +326,7 @@ class OpenAIBackend:
             result.output_tokens = usage.get("completion_tokens", result.output_tokens)
 
 
-class ShortfinBackend:
+class ShortfinBackend(_Backend):
     """shortfin's POST {base}/generate. It asks to stream; shortfin 3.9.0 accepts `stream` but
     answers one JSON body anyway, so both shapes are read: SSE events (Kiln's JSON events, or
     plain `data: <text>`), or `{"responses": [{"responses": [{"text"}]}]}` (TTFT = E2E then).
@@ -304,41 +334,17 @@ class ShortfinBackend:
     when its model normalizes logits; it has no `ignore_eos` either, so outputs may be shorter."""
 
     name = "shortfin"
+    path = "/generate"
 
     def __init__(self, base_url: str, stream: bool = True):
-        self.base_url, self.stream = base_url.rstrip("/"), stream
-
-    async def prepare(self, client: httpx.AsyncClient) -> None:
-        return None
+        super().__init__(base_url)
+        self.stream = stream
 
     def payload(self, prompt: str, max_tokens: int) -> dict:
         return {"text": prompt, "sampling_params": {"max_completion_tokens": max_tokens}, "stream": self.stream}
 
-    async def send(self, client: httpx.AsyncClient, prompt: str, max_tokens: int) -> RequestResult:
-        result = RequestResult()
-        t0 = time.perf_counter()
-        try:
-            async with client.stream("POST", f"{self.base_url}/generate",
-                                     json=self.payload(prompt, max_tokens)) as response:
-                if response.status_code != 200:
-                    result.error = await _http_error(response)
-                    return result
-                if "text/event-stream" in response.headers.get("content-type", ""):
-                    parser = SSEParser()
-                    async for chunk in response.aiter_bytes():
-                        now = time.perf_counter()
-                        for event, data in parser.feed(chunk):
-                            self.on_event(result, now, t0, event, data)
-                    for event, data in parser.close():
-                        self.on_event(result, time.perf_counter(), t0, event, data)
-                else:
-                    body = await response.aread()
-                    self.on_body(result, time.perf_counter(), t0, body)
-        except Exception as error:  # noqa: BLE001
-            result.error = result.error or f"{type(error).__name__}: {error}"
-        if not result.error and result.ttft is None:
-            result.error = "the response carried no text"
-        return result
+    def streams(self, response: httpx.Response) -> bool:
+        return "text/event-stream" in response.headers.get("content-type", "")
 
     @staticmethod
     def on_event(result: RequestResult, now: float, t0: float, event: str, data: str) -> None:
@@ -397,8 +403,12 @@ def arrival_offsets(count: int, rate: float | None, seed: int = 0) -> list[float
     return offsets
 
 
+# A request with no complete answer after this long counts as failed (a hung server).
+REQUEST_TIMEOUT_S = 900.0
+
+
 async def _drive(backend, workload: Workload, rate: float | None, concurrency: int | None,
-                 seed: int) -> tuple[list[RequestResult], float]:
+                 seed: int, request_timeout: float = REQUEST_TIMEOUT_S) -> tuple[list[RequestResult], float]:
     """Warm up, then send every request on its schedule; returns the results and the duration."""
     n = len(workload)
     connections = max(1, min(concurrency or n, n))
@@ -424,7 +434,11 @@ async def _drive(backend, workload: Workload, rate: float | None, concurrency: i
 
         async def timed(i: int) -> RequestResult:
             start = time.perf_counter() - t0
-            result = await backend.send(client, workload.prompts[i], workload.output_len)
+            try:
+                result = await asyncio.wait_for(backend.send(client, workload.prompts[i], workload.output_len),
+                                                request_timeout)
+            except asyncio.TimeoutError:  # a hung server must not hang the whole run
+                result = RequestResult(error=f"no complete answer within {request_timeout:.0f} s")
             result.start, result.prompt_len = start, workload.prompt_lens[i]
             return result
 
@@ -496,11 +510,11 @@ def summarize(results: list[RequestResult], duration_s: float, *, backend: str =
 
 
 def bench(backend: str, base_url: str, workload: Workload, rate: float | None = None,
-          concurrency: int | None = None, seed: int = 0,
+          concurrency: int | None = None, seed: int = 0, request_timeout: float = REQUEST_TIMEOUT_S,
           **backend_options: Any) -> tuple[dict, list[RequestResult]]:
     """Run `workload` against one server with our client: (metrics, per-request results)."""
     client = make_backend(backend, base_url, **backend_options)
-    results, duration = asyncio.run(_drive(client, workload, rate, concurrency, seed))
+    results, duration = asyncio.run(_drive(client, workload, rate, concurrency, seed, request_timeout))
     fill_output_tokens(results, load_tokenizer(workload.tokenizer_path))
     metrics = summarize(results, duration, backend=backend, workload=workload.kind, rate=rate,
                         concurrency=concurrency)
