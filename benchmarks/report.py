@@ -134,6 +134,9 @@ def tables(results: dict) -> str:
     if results.get("serving"):
         parts += ["", "Serving (random 256-token prompts, 128 output tokens, ignore_eos, streaming):", "",
                   serving_table(results)]
+        if any(name.startswith("shortfin") for name in results["serving"]):
+            parts += ["", "shortfin answers /generate without streaming (its TTFT is the whole request) and "
+                      "serves ~5 tokens/s here, so it gets one request per slot (at least 4) and no rate sweep."]
     if results.get("guidellm_check"):
         parts += ["", "Cross-check with guidellm 0.8.1 (same prompts, concurrency 16):", "",
                   "| engine | out tok/s | TTFT p50 (ms) | TPOT p50 (ms) |", "|---|---:|---:|---:|"]
