@@ -129,7 +129,12 @@ class Scheduler:
             heapq.heappush(self.waiting, item)
 
     def _prefill_batch(self, candidates: list[Sequence]) -> Batch:
-        candidates = sorted(candidates, key=lambda s: s.priority_key)[: self.config.prefill_batch_sizes[-1]]
+        # As many rows as the largest exported size that they fill: prefill is compute-bound
+        # and a padding row costs as much as a real one, so two prompts with sizes [1, 4] run
+        # as two batches of 1 rather than one batch of 4 that is half padding.
+        sizes = self.config.prefill_batch_sizes
+        rows = max((size for size in sizes if size <= len(candidates)), default=sizes[0])
+        candidates = sorted(candidates, key=lambda s: s.priority_key)[:rows]
         starts, chunks, samples = [], [], []
         for seq in candidates:
             end = min(seq.prefill_target, seq.computed + self.config.chunk_tokens)

@@ -89,8 +89,27 @@ def test_more_running_than_the_largest_decode_batch_take_turns():
     assert sorted(served.count(name) for name in ("s0", "s1", "s2")) == [4, 4, 4]
 
 
+def test_prefill_takes_as_many_rows_as_a_batch_size_they_fill():
+    """A padding row costs a real row's compute: 2-3 ready prompts with sizes [1, 4] go one
+    at a time, 4 or more fill a batch of 4."""
+    scheduler, _ = make(prefill=(1, 4), decode=(16,))
+    for i in range(3):
+        scheduler.add(seq(5, name=f"a{i}"))
+    sizes = []
+    while (batch := scheduler.schedule()) is not None and batch.kind == "prefill":
+        sizes.append((batch.batch_size, len(batch.seqs)))
+        complete(scheduler, batch)
+        scheduler.last_kind = "decode"  # look at prefill decisions only
+    assert sizes == [(1, 1), (1, 1), (1, 1)]
+    scheduler, _ = make(prefill=(1, 4), decode=(16,))
+    for i in range(5):
+        scheduler.add(seq(5, name=f"b{i}"))
+    batch = scheduler.schedule()
+    assert (batch.batch_size, len(batch.seqs)) == (4, 4)
+
+
 def test_the_youngest_is_preempted_and_recomputed_without_resampling():
-    scheduler, cache = make(pages=5, chunk=64)  # 4 usable pages of 4 tokens
+    scheduler, cache = make(pages=5, chunk=64, prefill=(1, 2))  # 4 usable pages of 4 tokens
     old, young = seq(6, name="old"), seq(6, name="young")
     scheduler.add(old)
     scheduler.add(young)
