@@ -253,6 +253,25 @@ class _Backend(abc.ABC):
     def on_body(self, result: RequestResult, now: float, t0: float, body: bytes) -> None:
         result.error = f"expected a stream, got: {body[:200]!r}"
 
+    @classmethod
+    def on_event(cls, result: RequestResult, now: float, t0: float, event: str, data: str) -> None:
+        """One SSE event: the end and errors here, the backend's own payload in on_payload."""
+        if result.error or data == "[DONE]":
+            return
+        try:
+            payload = json.loads(data)
+        except json.JSONDecodeError:
+            payload = None
+        if event == "error" or (isinstance(payload, dict) and "error" in payload):
+            result.error = _error_text(data if payload is None else payload)
+            return
+        cls.on_payload(result, now, t0, data, payload)
+
+    @staticmethod
+    @abc.abstractmethod
+    def on_payload(result: RequestResult, now: float, t0: float, data: str, payload: Any) -> None:
+        """One event's JSON (None when it is not JSON)."""
+
     async def send(self, client: httpx.AsyncClient, prompt: str, max_tokens: int) -> RequestResult:
         result = RequestResult()
         t0 = time.perf_counter()
@@ -308,16 +327,9 @@ class OpenAIBackend(_Backend):
         return body
 
     @staticmethod
-    def on_event(result: RequestResult, now: float, t0: float, event: str, data: str) -> None:
-        if result.error or data == "[DONE]":
-            return
-        try:
-            payload = json.loads(data)
-        except json.JSONDecodeError:
+    def on_payload(result: RequestResult, now: float, t0: float, data: str, payload: Any) -> None:
+        if not isinstance(payload, dict):
             result.error = f"not JSON in the stream: {data[:200]}"
-            return
-        if event == "error" or (isinstance(payload, dict) and "error" in payload):
-            result.error = _error_text(payload)
             return
         choices = payload.get("choices") or []
         if choices:
@@ -347,18 +359,9 @@ class ShortfinBackend(_Backend):
         return "text/event-stream" in response.headers.get("content-type", "")
 
     @staticmethod
-    def on_event(result: RequestResult, now: float, t0: float, event: str, data: str) -> None:
-        if result.error or data == "[DONE]":
-            return
-        try:
-            payload = json.loads(data)
-        except json.JSONDecodeError:
-            payload = data
+    def on_payload(result: RequestResult, now: float, t0: float, data: str, payload: Any) -> None:
         if not isinstance(payload, dict):  # shortfin's older streaming: the text itself
             result.chunk(now, data, t0)
-            return
-        if event == "error" or "error" in payload:
-            result.error = _error_text(payload)
             return
         result.chunk(now, payload.get("text") or "", t0)
         if payload.get("token_ids") is not None:

@@ -23,8 +23,8 @@ class ExportOptions:
     max_seq_len: int = 0  # 0: the model's context length, capped at 8192
     dtype: str = "float32"
     # The KV cache's element type ("": the model's dtype). float16 under a float32 model
-    # halves the cache's bytes, so twice the tokens fit and decode reads half as much
-    # (llama.cpp keeps an F16 cache under F32 weights by default).
+    # halves the cache's bytes, so twice the tokens fit (llama.cpp's default). Not faster
+    # on IREE 3.13's CPU code: the page gather converts per element (benchmarks/NOTES.md).
     kv_cache_dtype: str = ""
     prefill_final_logits: bool = False
     # Also export prefill_last_bs<N>: the same prefill returning only each row's last

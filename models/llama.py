@@ -116,10 +116,11 @@ class Attention(nn.Module):
         dtype = q.dtype
         if n == 1 and t == 1:
             # Batch-1 decode keeps SDPA: IREE 3.13 miscompiles the matmul form below at
-            # N = 1, T = 1 on SmolLM2's shapes (wrong logits; batch 2+ are right).
-            out = F.scaled_dot_product_attention(
-                q, keys.to(dtype).repeat_interleave(group, dim=1), values.to(dtype).repeat_interleave(group, dim=1), attn_mask=bias == 0
-            )
+            # N = 1, T = 1 on SmolLM2's shapes (wrong logits; batch 2+ are right). The mask is
+            # the same value in every layer; the compiler computes it once.
+            keys = keys.to(dtype).repeat_interleave(group, dim=1)
+            values = values.to(dtype).repeat_interleave(group, dim=1)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias == 0)
             return self.o_proj(out.transpose(1, 2).reshape(n, t, heads * d))
         q = q.float().reshape(n, kv_heads, group * t, d)
         scores = torch.matmul(q, keys.float().transpose(2, 3)) * (1.0 / math.sqrt(d))
