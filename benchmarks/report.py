@@ -146,9 +146,25 @@ def tables(results: dict) -> str:
     if results.get("prefix"):
         parts += ["", "Shared prefix (32 requests, 1024-token common prefix + 32 own tokens, 32 out, concurrency 4):",
                   "", prefix_table(results)]
+    if results.get("kiln_on_shortfin_vmfb"):
+        parts += ["", "Same artifact, two runtimes (shortfin's VMFB, one greedy 128-token request):", "",
+                  runtimes_table(results["kiln_on_shortfin_vmfb"])]
     if targets(results):
         parts += ["", "Targets (ratios from this one run):", "", targets_table(results)]
     return "\n".join(parts)
+
+
+RUNTIME_LABELS = {"kiln": "Kiln, its own environment", "kiln_iree39": "Kiln's code, IREE runtime 3.9"}
+
+
+def runtimes_table(runs: dict) -> str:
+    if "error" in runs:
+        return f"failed: {runs['error'].strip().splitlines()[-1]}"
+    lines = ["| runtime | IREE runtime | result | seconds |", "|---|---|---|---:|"]
+    for label, r in runs.items():
+        result = f"{r.get('completion_tokens')} tokens, {r.get('finish_reason')}" if r.get("ok") else r.get("error", "failed").rsplit(": ", 1)[-1]
+        lines.append(f"| {RUNTIME_LABELS.get(label, label)} | {r.get('iree_runtime', '?')} | {result} | {_num(r.get('seconds'))} |")
+    return "\n".join(lines)
 
 
 def plot(results: dict, directory: Path) -> list[Path]:

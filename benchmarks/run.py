@@ -2,7 +2,7 @@
 same model (SmolLM2-135M-Instruct), same moment.
 
     python -m benchmarks.run                       # everything (peers set up on first use)
-    python -m benchmarks.run --steps offline       # a part: membw, offline, serving, prefix
+    python -m benchmarks.run --steps offline       # a part: membw, offline, serving, prefix, runtimes
     python -m benchmarks.run --engines kiln        # Kiln only (no peers)
 
 Writes benchmarks/results/<date>.json, PNG plots beside it (stable names, so the README's
@@ -29,7 +29,7 @@ from benchmarks.peers.common import free_port, heavy_lock, log, stop_process, wa
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
-ALL_STEPS = ("membw", "offline", "serving", "prefix")
+ALL_STEPS = ("membw", "offline", "serving", "prefix", "runtimes")
 ALL_ENGINES = ("kiln", "llama.cpp", "transformers", "shortfin")
 SLOW_ENGINES = ("shortfin",)
 
@@ -206,7 +206,22 @@ def _guarded(name: str, job) -> dict:
     return row
 
 
-STEPS = {"membw": step_membw, "offline": step_offline, "serving": step_serving, "prefix": step_prefix}
+def step_runtimes(results: dict, args) -> None:
+    """Same artifact, two runtimes: shortfin's own VMFB served by Kiln (IREE runtime 3.13,
+    and Kiln's code over runtime 3.9, the VMFB's version), one greedy request each."""
+    if "shortfin" not in args.engines:
+        return
+    from benchmarks.peers import shortfin
+
+    log("same artifact, two runtimes: kiln serve on shortfin's VMFB")
+    try:
+        results["kiln_on_shortfin_vmfb"] = shortfin.kiln_on_shortfin_vmfb()
+    except Exception:  # the peer failing must not lose the other figures
+        results["kiln_on_shortfin_vmfb"] = {"error": traceback.format_exc(limit=3)}
+
+
+STEPS = {"membw": step_membw, "offline": step_offline, "serving": step_serving, "prefix": step_prefix,
+         "runtimes": step_runtimes}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,3 +66,13 @@ def test_plots_are_written(tmp_path):
     written = report.plot(RESULTS, tmp_path)
     assert [p.name for p in written] == [report.PLOTS["throughput"], report.PLOTS["ttft"]]
     assert all(p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG" for p in written)
+
+
+def test_runtimes_table_shows_each_runtime_and_its_failure():
+    runs = {"kiln": {"ok": False, "iree_runtime": "3.13.0", "error": "bytecode version mismatch"},
+            "kiln_iree39": {"ok": True, "iree_runtime": "3.9.0", "completion_tokens": 128,
+                            "finish_reason": "length", "seconds": 6.4}}
+    table = report.runtimes_table(runs)
+    assert "| Kiln, its own environment | 3.13.0 | bytecode version mismatch | – |" in table
+    assert "| Kiln's code, IREE runtime 3.9 | 3.9.0 | 128 tokens, length | 6.4 |" in table
+    assert report.runtimes_table({"error": "Traceback\nRuntimeError: no venv\n"}) == "failed: RuntimeError: no venv"
