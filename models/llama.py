@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import LlamaConfig
+from .page_gather import gather_pages
 
 # Added to the attention score of a key a query may not see: exp() of it is 0 in
 # float32, and unlike -inf it keeps a fully masked (padding) row finite.
@@ -99,10 +100,10 @@ class Attention(nn.Module):
         n, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(n, t, self.n_heads * self.head_dim))
 
-    def attend_paged(self, q, keys, values, bias, block):
+    def attend_paged(self, q, keys_t, values, bias, block):
         """Attention over cached pages, written as matmuls and a blocked softmax.
 
-        q [N,H,T,D]; keys, values [N,Hkv,S,D]; bias
+        q [N,H,T,D]; keys_t [N,Hkv,D,S] (transposed); values [N,Hkv,S,D]; bias
         [N,1,T,S] (0 where a query may look, a large negative number elsewhere);
         S is a multiple of `block`. Why not SDPA: IREE lowers it to a fused attention
         op whose llvm-cpu code is ~10x slower than this at 512 tokens, and a softmax
@@ -111,19 +112,19 @@ class Attention(nn.Module):
         matmul, so K/V are read once per group and never copied.
         """
         n, heads, t, d = q.shape
-        kv_heads, s = keys.shape[1], keys.shape[2]
+        kv_heads, s = keys_t.shape[1], keys_t.shape[3]
         group = heads // kv_heads
         dtype = q.dtype
         if n == 1 and t == 1:
             # Batch-1 decode keeps SDPA: IREE 3.13 miscompiles the matmul form below at
             # N = 1, T = 1 on SmolLM2's shapes (wrong logits; batch 2+ are right). The mask is
             # the same value in every layer; the compiler computes it once.
-            keys = keys.to(dtype).repeat_interleave(group, dim=1)
+            keys = keys_t.transpose(2, 3).to(dtype).repeat_interleave(group, dim=1)
             values = values.to(dtype).repeat_interleave(group, dim=1)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias == 0)
             return self.o_proj(out.transpose(1, 2).reshape(n, t, heads * d))
         q = q.float().reshape(n, kv_heads, group * t, d)
-        scores = torch.matmul(q, keys.float().transpose(2, 3)) * (1.0 / math.sqrt(d))
+        scores = torch.matmul(q, keys_t.float()) * (1.0 / math.sqrt(d))
         scores = scores.view(n, kv_heads, group, t, s) + bias.view(n, 1, 1, t, s)
         blocks = scores.view(n, kv_heads, group, t, s // block, block)
         weights = torch.exp(blocks - blocks.amax(dim=(-2, -1), keepdim=True))
@@ -268,23 +269,30 @@ class PagedLlama(nn.Module):
         hidden = (key_pos - last_visible).clamp(0, 1)  # [N,T,B*stride]: 1 = may not look
         bias = (hidden.float() * MASKED_SCORE).unsqueeze(1)  # [N,1,T,B*stride]
 
-        # Views of the cache: rows of one head's slot for writing; one head's page of K or V
-        # ([stride, D], contiguous) for reading, gathered straight into [N,Hkv,B*stride,D].
-        slot_rows = cache.view(-1, head_dim)
-        head_pages = cache.view(-1, stride, head_dim)
+        # One head's page of a layer holds K transposed, [D, stride], and V as [stride, D].
+        # Pages are gathered whole and in place of a copy: K^T pages laid side by side are
+        # the data-tiled layout of the scores matmul's right operand (16 keys per tile), so
+        # the gather is a page copy; stored as [stride, D], each page had to be transposed.
+        flat = cache.view(-1)
+        value_rows = cache.view(-1, head_dim)
+        key_pages = cache.view(-1, head_dim, stride)
+        value_pages = cache.view(-1, stride, head_dim)
         head = torch.arange(kv_heads).view(1, kv_heads, 1)
+        key_dim_offset = (torch.arange(head_dim) * stride).view(1, 1, 1, head_dim)
+        slot = write_slot.unsqueeze(1)  # [N,1,T]
 
         for index, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             q, k, v = attn.project(layer.input_layernorm(h), cos, sin)
-            for kv, new in ((0, k), (1, v)):
-                slab = (write_page * layers + index) * 2 + kv  # [N,T]
-                rows = (slab.unsqueeze(1) * kv_heads + head) * stride + write_slot.unsqueeze(1)
-                slot_rows.index_put_((rows,), new.to(cache.dtype))  # rows [N,Hkv,T]
+            key_page = ((write_page * layers + index) * 2).unsqueeze(1) * kv_heads + head  # [N,Hkv,T]
+            key_elems = (key_page * (head_dim * stride) + slot).unsqueeze(-1) + key_dim_offset
+            flat.index_put_((key_elems,), k.to(cache.dtype))  # one column of K^T per token
+            value_page = key_page + kv_heads
+            value_rows.index_put_((value_page * stride + slot,), v.to(cache.dtype))  # rows [N,Hkv,T]
             # The K page of each (row, head, block); its V page follows kv_heads pages later.
             read = ((seq_block_ids * layers + index) * 2).unsqueeze(1) * kv_heads + head  # [N,Hkv,B]
-            keys = head_pages[read].view(n, kv_heads, blocks * stride, head_dim)
-            values = head_pages[read + kv_heads].view(n, kv_heads, blocks * stride, head_dim)
-            h = h + attn.attend_paged(q, keys, values, bias, stride)
+            keys_t = gather_pages(key_pages, read).permute(0, 1, 3, 2, 4).reshape(n, kv_heads, head_dim, blocks * stride)
+            values = gather_pages(value_pages, read + kv_heads).view(n, kv_heads, blocks * stride, head_dim)
+            h = h + attn.attend_paged(q, keys_t, values, bias, stride)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return h
