@@ -123,13 +123,19 @@ def targets_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _rounds_note(rows: list[dict]) -> str:
+    rounds = max((r.get("rounds", 1) for r in rows), default=1)
+    return f"; each figure the best of {rounds} rounds run in alternating engine order" if rounds > 1 else ""
+
+
 def tables(results: dict) -> str:
     bw = results.get("membw")
     parts = [
         f"Measured {results.get('date', '?')} on {results.get('machine', {}).get('cpus', '?')} CPUs; "
         f"{results.get('model', '')}."
         + (f" Memory bandwidth (read, {bw['threads']} threads): {bw['read_gb_s']:.1f} GB/s." if bw else ""),
-        "", "Offline (batch 1 unless noted; decode after a 128-token prompt, 128 tokens):", "", offline_table(results),
+        "", "Offline (batch 1 unless noted; decode after a 128-token prompt, 128 tokens"
+        + _rounds_note(results.get("offline", [])) + "):", "", offline_table(results),
     ]
     if results.get("serving"):
         parts += ["", "Serving (random 256-token prompts, 128 output tokens, ignore_eos, streaming):", "",

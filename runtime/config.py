@@ -51,7 +51,7 @@ class ModelParams:
 
     @property
     def page_elems(self) -> int:
-        """Elements in one page: [layers, 2, kv_heads, stride, head_dim]."""
+        """Elements in one page: layers x (K, V) x kv_heads x stride x head_dim (the model owns the order)."""
         kv = self.paged_kv_cache
         return (
             self.transformer_block_count * 2 * kv.attention_head_count_kv
