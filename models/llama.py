@@ -272,9 +272,10 @@ class PagedLlama(nn.Module):
         bias = (hidden.float() * MASKED_SCORE).unsqueeze(1)  # [N,1,T,B*stride]
 
         # One head's page of a layer holds K transposed, [D, stride], and V as [stride, D].
-        # Pages are gathered whole and in place of a copy: K^T pages laid side by side are
-        # the data-tiled layout of the scores matmul's right operand (16 keys per tile), so
-        # the gather is a page copy; stored as [stride, D], each page had to be transposed.
+        # Pages are gathered whole (gather_pages). K^T pages laid side by side are the
+        # data-tiled layout of the scores matmul's right operand on llvm-cpu (16 keys per
+        # tile), so that gather is a plain page copy; stored as [stride, D], each page was
+        # transposed element by element on the way.
         flat = cache.view(-1)
         value_rows = cache.view(-1, head_dim)
         key_pages = cache.view(-1, head_dim, stride)

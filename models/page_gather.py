@@ -2,8 +2,8 @@
 
 Torch indexing (`pages[index]`, `index_select`, `embedding`) reaches IREE 3.13 as a
 `linalg.generic` that does a `tensor.extract` per element; on llvm-cpu it copies ~7-10 GB/s
-and was half of a decode step. `iree_linalg_ext.gather` copies whole pages and ran 2-3x
-faster in isolation, so the model emits it directly through an iree-turbine custom op.
+and was half of a decode step. `iree_linalg_ext.gather` copies whole pages and ran 1.6-4.6x
+faster in a one-dispatch probe (benchmarks/NOTES.md, session 4), so the model emits it directly through an iree-turbine custom op.
 Eager torch (the reference path) runs plain indexing.
 """
 
@@ -66,12 +66,11 @@ class gather_pages(CustomOp):
         out_shape = [*index_type.shape, *pages_type.shape[1:]]
         out_type = ir.RankedTensorType.get(out_shape, pages_type.element_type)
         # The sizes of the result's dynamic dims: each is a dim of the index or of a page.
-        sources = [("%index", i) for i in range(index_type.rank)]
-        sources += [("%pages", i) for i in range(1, pages_type.rank)]
+        sources = [("%index", index_type, i) for i in range(index_type.rank)]
+        sources += [("%pages", pages_type, i) for i in range(1, pages_type.rank)]
         dim_lines, dim_names = [], []
-        for position, (value, axis) in enumerate(sources):
+        for position, (value, value_type, axis) in enumerate(sources):
             if out_shape[position] == ir.ShapedType.get_dynamic_size():
-                value_type = index_type if value == "%index" else pages_type
                 dim_lines.append(f"%c{position} = arith.constant {axis} : index")
                 dim_lines.append(f"%d{position} = tensor.dim {value}, %c{position} : {value_type}")
                 dim_names.append(f"%d{position}")

@@ -349,3 +349,19 @@ def test_smollm2_tokenizer_metadata_round_trips():
     written = tokenizer_to_gguf(tokenizer_json, tokenizer_config, 49152)
     for key, value in written.items():
         assert meta[key] == value, key
+
+
+def test_a_type_gguf_cannot_dequantize_is_a_clear_error():
+    """gguf-py has no dequantizer for some types (Q8_1, Q8_K, ...): a ModelLoadError naming the
+    tensor and type, not a NotImplementedError from inside the library."""
+    from types import SimpleNamespace
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from kiln.models.gguf_loader import _dequantize
+
+    block, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_1]
+    tensor = SimpleNamespace(name="blk.0.attn_q.weight", tensor_type=GGMLQuantizationType.Q8_1,
+                             shape=np.array([block]), data=np.zeros(type_bytes, np.uint8))
+    with pytest.raises(ModelLoadError, match="blk.0.attn_q.weight: GGUF type Q8_1 cannot be dequantized"):
+        _dequantize(tensor)
