@@ -75,6 +75,23 @@ def prefix_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def paired_table(paired: dict) -> str:
+    first, second = paired["engines"]
+    lines = [f"| round | order | {first} out tok/s | {second} out tok/s | ratio | TTFT p50 (ms) | ITL p50 (ms) |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    for index, entry in enumerate(paired["rounds"], 1):
+        runs = [entry["runs"].get(name, {"error": "not run"}) for name in (first, second)]
+
+        def cells(key, fmt):
+            return ["failed" if "error" in r else _num(r.get(key), fmt) for r in runs]
+
+        out, ttft, itl = cells("output_throughput", "{:.1f}"), cells("p50_ttft_ms", "{:.0f}"), cells("p50_itl_ms", "{:.0f}")
+        lines.append(f"| {index} | {' → '.join(entry['order'])} | {out[0]} | {out[1]} | "
+                     f"{_num(entry.get('ratio'), '{:.2f}x')} | {' / '.join(ttft)} | {' / '.join(itl)} |")
+    lines.append(f"| median | | | | {_num(paired.get('median_ratio'), '{:.2f}x')} | | |")
+    return "\n".join(lines)
+
+
 def _at_concurrency(results: dict, name: str, concurrency: int) -> dict | None:
     """That engine's run at this concurrency, if it completed requests (a cut-short run
     whose every request failed has no throughput to compare)."""
@@ -101,11 +118,18 @@ def targets(results: dict) -> list[tuple[str, str, bool | None]]:
     if k and t:
         rows.append(("prefill 512: kiln f32 ≤ torch eager (transformers f32)", f"{k:.0f} vs {t:.0f} ms", k <= t))
     kiln16 = _at_concurrency(results, "kiln f32", 16)
+    paired = results.get("paired") or {}
     for peer, want in (("shortfin f32", 3.0), ("llama.cpp f32", 1.2)):
         other = _at_concurrency(results, peer, 16)
-        if kiln16 and other:
+        target = f"serving c=16: kiln out tok/s ≥ {want}x {peer}"
+        if paired.get("engines") == ["kiln f32", peer] and paired.get("median_ratio"):
+            # Paired rounds beat one sweep apart: quote their median.
+            r = paired["median_ratio"]
+            rows.append((target, f"{r:.2f}x (median of {paired['paired_rounds']} paired rounds)", r >= want))
+        elif kiln16 and other:
             r = ratio(kiln16["output_throughput"], other["output_throughput"])
-            rows.append((f"serving c=16: kiln out tok/s ≥ {want}x {peer}", f"{r:.2f}x", r >= want))
+            rows.append((target, f"{r:.2f}x", r >= want))
+        if kiln16 and other:
             a, b = kiln16.get("p50_ttft_ms"), other.get("p50_ttft_ms")
             if a and b:
                 rows.append((f"serving c=16: kiln TTFT p50 below {peer}", f"{a:.0f} vs {b:.0f} ms", a < b))
@@ -149,6 +173,9 @@ def tables(results: dict) -> str:
         for name, r in results["guidellm_check"].items():
             parts.append(f"| {name} | {r['output_throughput']:.1f} | {_num(r.get('p50_ttft_ms'), '{:.0f}')} | "
                          f"{_num(r.get('p50_tpot_ms'))} |")
+    if (results.get("paired") or {}).get("rounds"):
+        parts += ["", "Concurrency 16, the two engines of the target in alternating rounds (same prompts "
+                  "within a round; each ratio pairs runs minutes apart):", "", paired_table(results["paired"])]
     if results.get("prefix"):
         parts += ["", "Shared prefix (32 requests, 1024-token common prefix + 32 own tokens, 32 out, concurrency 4):",
                   "", prefix_table(results)]

@@ -2,7 +2,7 @@
 same model (SmolLM2-135M-Instruct), same moment.
 
     python -m benchmarks.run                       # everything (peers set up on first use)
-    python -m benchmarks.run --steps offline       # a part: membw, offline, serving, prefix, runtimes
+    python -m benchmarks.run --steps offline       # a part: membw, offline, serving, paired, prefix, runtimes
     python -m benchmarks.run --engines kiln        # Kiln only (no peers)
 
 Writes benchmarks/results/<date>.json, PNG plots beside it (stable names, so the README's
@@ -18,6 +18,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -29,9 +30,10 @@ from benchmarks.peers.common import free_port, heavy_lock, log, stop_process, wa
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
-ALL_STEPS = ("membw", "offline", "serving", "prefix", "runtimes")
+ALL_STEPS = ("membw", "offline", "serving", "paired", "prefix", "runtimes")
 ALL_ENGINES = ("kiln", "llama.cpp", "transformers", "shortfin")
 SLOW_ENGINES = ("shortfin",)
+PAIRED_CONCURRENCY = 16  # the serving target's load
 
 
 # -- servers ------------------------------------------------------------------------------------
@@ -199,6 +201,49 @@ def step_serving(results: dict, args) -> None:
         out[name] = runs
 
 
+def step_paired(results: dict, args) -> None:
+    """The c=16 target's two engines served in alternating rounds (A B, B A, ...), each
+    round on the same fresh prompts, so the ratio pairs runs minutes apart rather than a
+    sweep apart: the shared machine's speed drifts more than the gap being measured."""
+    from benchmarks import loadgen
+
+    names = [name for name in args.paired if name.split()[0] in args.engines]
+    if len(names) != 2 or args.paired_rounds < 1:
+        return
+    tokenizer = _tokenizer_for_loadgen()
+    rounds = []
+    for index in range(args.paired_rounds):
+        order = names if index % 2 == 0 else names[::-1]
+        # A seed per round: each server process is new, but the prompts must not repeat.
+        workload = loadgen.make_workload("random", tokenizer, num_requests=int(32 * args.scale), seed=300 + index)
+        figures = {}
+        for name in order:
+            log(f"paired c=16: {name} (round {index + 1} of {args.paired_rounds})")
+            try:
+                with SERVERS[name]() as (backend, url):
+                    figures[name] = loadgen.run(backend, url, workload, concurrency=PAIRED_CONCURRENCY)
+                _say(name, figures[name])
+            except Exception:  # one engine failing must not lose the other's figures
+                figures[name] = {"error": traceback.format_exc(limit=3)}
+                log(f"paired {name} failed:\n{figures[name]['error']}")
+        rounds.append({"order": order, "runs": figures})
+    results["paired"] = paired_summary(names, rounds)
+
+
+def paired_summary(names: list[str], rounds: list[dict]) -> dict:
+    """Per-round figures and the ratio of the first engine to the second in each round
+    where both completed requests; the median ratio is the one to quote."""
+    ratios = []
+    for entry in rounds:
+        a, b = (entry["runs"].get(name, {}) for name in names)
+        ok = all("error" not in r and r.get("completed") and r.get("output_throughput") for r in (a, b))
+        entry["ratio"] = a["output_throughput"] / b["output_throughput"] if ok else None
+        if ok:
+            ratios.append(entry["ratio"])
+    return {"engines": names, "concurrency": PAIRED_CONCURRENCY, "rounds": rounds,
+            "median_ratio": statistics.median(ratios) if ratios else None, "paired_rounds": len(ratios)}
+
+
 def step_prefix(results: dict, args) -> None:
     from benchmarks import loadgen
 
@@ -247,8 +292,8 @@ def step_runtimes(results: dict, args) -> None:
         results["kiln_on_shortfin_vmfb"] = {"error": traceback.format_exc(limit=3)}
 
 
-STEPS = {"membw": step_membw, "offline": step_offline, "serving": step_serving, "prefix": step_prefix,
-         "runtimes": step_runtimes}
+STEPS = {"membw": step_membw, "offline": step_offline, "serving": step_serving, "paired": step_paired,
+         "prefix": step_prefix, "runtimes": step_runtimes}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-guidellm", dest="guidellm", action="store_false",
                         help="skip the guidellm cross-check at concurrency 16")
     parser.add_argument("--offline-rounds", type=int, default=2, help="offline rounds, in alternating order (best kept)")
+    parser.add_argument("--paired", default="kiln f32,llama.cpp f32",
+                        help="the two servers the 'paired' step alternates at concurrency 16")
+    parser.add_argument("--paired-rounds", type=int, default=3, help="rounds of the 'paired' step")
     parser.add_argument("--output", type=Path, help="results JSON (default: results/<date>.json)")
     args = parser.parse_args(argv)
     args.steps = [s for s in args.steps.split(",") if s]
@@ -269,7 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.rates = [float(r) for r in args.rates.split(",")]
-    unknown = [s for s in args.steps if s not in STEPS] + [s for s in args.servers if s not in SERVERS]
+    args.paired = [s.strip() for s in args.paired.split(",") if s.strip()]
+    if len(args.paired) != 2:
+        parser.error("--paired takes two servers")
+    unknown = [s for s in args.steps if s not in STEPS] + [s for s in args.servers + args.paired if s not in SERVERS]
     if unknown:
         parser.error(f"unknown step/server: {', '.join(unknown)}")
 

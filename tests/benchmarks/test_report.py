@@ -76,3 +76,26 @@ def test_runtimes_table_shows_each_runtime_and_its_failure():
     assert "| Kiln, its own environment | 3.13.0 | bytecode version mismatch | – |" in table
     assert "| Kiln's code, IREE runtime 3.9 | 3.9.0 | 128 tokens, length | 6.4 |" in table
     assert report.runtimes_table({"error": "Traceback\nRuntimeError: no venv\n"}) == "failed: RuntimeError: no venv"
+
+
+def test_paired_rounds_give_the_c16_ratio_and_a_table():
+    paired = {
+        "engines": ["kiln f32", "llama.cpp f32"], "concurrency": 16, "median_ratio": 1.1, "paired_rounds": 2,
+        "rounds": [
+            {"order": ["kiln f32", "llama.cpp f32"], "ratio": 1.0,
+             "runs": {"kiln f32": serving(16, out=200), "llama.cpp f32": serving(16, out=200)}},
+            {"order": ["llama.cpp f32", "kiln f32"], "ratio": 1.2,
+             "runs": {"llama.cpp f32": serving(16, out=150), "kiln f32": serving(16, out=180)}},
+            {"order": ["kiln f32", "llama.cpp f32"], "ratio": None,
+             "runs": {"kiln f32": {"error": "Traceback ..."}, "llama.cpp f32": serving(16, out=150)}},
+        ],
+    }
+    results = {**RESULTS, "paired": paired}
+    targets = {name: (measured, met) for name, measured, met in report.targets(results)}
+    assert targets["serving c=16: kiln out tok/s ≥ 1.2x llama.cpp f32"] == ("1.10x (median of 2 paired rounds)", False)
+    assert targets["serving c=16: kiln TTFT p50 below llama.cpp f32"] == ("300 vs 400 ms", True)  # from the sweep
+    table = report.paired_table(paired)
+    assert "| 2 | llama.cpp f32 → kiln f32 | 180.0 | 150.0 | 1.20x |" in table
+    assert "| 3 | kiln f32 → llama.cpp f32 | failed | 150.0 | – |" in table
+    assert "| median | | | | 1.10x | | |" in table
+    assert "alternating rounds" in report.tables(results)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from benchmarks.run import best_of_rounds
+import pytest
+
+from benchmarks.run import best_of_rounds, main, paired_summary
 
 
 def test_best_of_rounds_keeps_each_figures_best_round():
@@ -21,3 +23,26 @@ def test_best_of_rounds_skips_failed_rounds():
     ok = {"engine": "kiln", "dtype": "f32", "decode_bs1_tok_s": 50.0}
     assert best_of_rounds([failed, ok])["decode_bs1_tok_s"] == 50.0
     assert best_of_rounds([failed]) is failed
+
+
+def test_paired_summary_ratios_each_round_and_quotes_the_median():
+    def run(out):
+        return {"output_throughput": out, "completed": 32}
+
+    names = ["kiln f32", "llama.cpp f32"]
+    rounds = [
+        {"order": names, "runs": {"kiln f32": run(200.0), "llama.cpp f32": run(160.0)}},
+        {"order": names[::-1], "runs": {"llama.cpp f32": run(200.0), "kiln f32": run(220.0)}},
+        {"order": names, "runs": {"kiln f32": {"error": "boom"}, "llama.cpp f32": run(100.0)}},
+        {"order": names[::-1], "runs": {"llama.cpp f32": run(100.0), "kiln f32": run(130.0)}},
+    ]
+    summary = paired_summary(names, rounds)
+    assert [r["ratio"] for r in summary["rounds"]] == [1.25, 1.1, None, 1.3]
+    assert summary["median_ratio"] == 1.25 and summary["paired_rounds"] == 3
+    assert summary["concurrency"] == 16
+
+
+def test_paired_needs_two_known_servers():
+    for value in ("kiln f32", "kiln f32,llama.cpp f32,shortfin f32", "kiln f32,vllm f32"):
+        with pytest.raises(SystemExit):
+            main(["--steps", "paired", "--paired", value])
