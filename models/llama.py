@@ -85,9 +85,20 @@ class Attention(nn.Module):
     def project(self, x, cos, sin):
         """q [N,H,T,D] and k, v [N,Hkv,T,D] for x [N,T,hidden], rotary applied to q and k."""
         n, t, _ = x.shape
-        q = self.q_proj(x).view(n, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(n, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(n, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if t == 1:
+            # Decode: one matmul over the three weights (the compiler concatenates them
+            # once, at load): two dispatches fewer per layer, ~1 ms of a batch-1 step here.
+            # Prefill keeps three: splitting the fused result made its rotary pass slower
+            # than the merge saved (benchmarks/NOTES.md, session 5).
+            weight = torch.cat([p.weight for p in projections])
+            bias = torch.cat([p.bias for p in projections]) if self.q_proj.bias is not None else None
+            q, k, v = F.linear(x, weight, bias).split([p.out_features for p in projections], dim=-1)
+        else:
+            q, k, v = (p(x) for p in projections)
+        q = q.reshape(n, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(n, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(n, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         return q, k, v
