@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -101,6 +102,16 @@ def _at_concurrency(results: dict, name: str, concurrency: int) -> dict | None:
     return None
 
 
+def _median_round_ratio(row: dict, base: dict, key: str) -> float | None:
+    """Median over rounds of row's figure / base's figure in the same round: engines in one
+    round ran minutes apart, so a slow spell of the machine lands on both."""
+    a, b = row.get("round_figures") or [], base.get("round_figures") or []
+    if len(a) < 2 or len(a) != len(b):
+        return None
+    ratios = [x[key] / y[key] for x, y in zip(a, b) if x.get(key) and y.get(key)]
+    return statistics.median(ratios) if ratios else None
+
+
 def targets(results: dict) -> list[tuple[str, str, bool | None]]:
     """(target, measured ratio, met?) for each target of the issue that this run measured."""
     rows = []
@@ -113,7 +124,9 @@ def targets(results: dict) -> list[tuple[str, str, bool | None]]:
     for name, want in (("kiln f32", 1.0), ("kiln f16", 1.8)):
         r = ratio(off.get(name, {}).get("decode_bs1_tok_s"), base)
         if r is not None:
-            rows.append((f"decode bs1: {name} ≥ {want}x llama.cpp f32", f"{r:.2f}x", r >= want))
+            paired = _median_round_ratio(off[name], off["llama.cpp f32"], "decode_bs1_tok_s")
+            spread = f" (best of each; median of per-round ratios {paired:.2f}x)" if paired is not None else ""
+            rows.append((f"decode bs1: {name} ≥ {want}x llama.cpp f32", f"{r:.2f}x{spread}", r >= want))
     k, t = off.get("kiln f32", {}).get("prefill_512_ms"), off.get("transformers f32", {}).get("prefill_512_ms")
     if k and t:
         rows.append(("prefill 512: kiln f32 ≤ torch eager (transformers f32)", f"{k:.0f} vs {t:.0f} ms", k <= t))

@@ -55,9 +55,10 @@ def test_sharded_directory_loads_the_same_tensors(tmp_path):
         np.testing.assert_array_equal(one.tensors[name], two.tensors[name])
 
 
-def test_paged_path_equals_plain_path_in_torch():
-    """Prefill in two chunks, then decode, through the cache, in eager torch."""
-    checkpoint = make_tiny_checkpoint(seed=5)
+@pytest.mark.parametrize("overrides", [{}, {"architecture": "qwen2", "attention_bias": True}], ids=["llama", "qwen2-bias"])
+def test_paged_path_equals_plain_path_in_torch(overrides):
+    """Prefill in two chunks, then decode (its Q/K/V one fused matmul), through the cache, in eager torch."""
+    checkpoint = make_tiny_checkpoint(seed=5, **overrides)
     model = PagedLlama(checkpoint.config, block_seq_stride=8).load_tensors(checkpoint.tensors).eval()
     tokens = list(range(10, 31))
     cache = model.allocate_cache(16)
