@@ -21,6 +21,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def add_command(commands) -> None:
     parser = commands.add_parser("serve", help="serve a compiled model over HTTP (OpenAI API, /generate)")
     add_model_arguments(parser)
@@ -46,6 +53,9 @@ def add_command(commands) -> None:
     engine.add_argument("--max-queue", type=int, default=256, metavar="N",
                         help="requests waiting before new ones get 503")
     engine.add_argument("--max-running", type=int, default=32, metavar="N", help="sequences decoding at once")
+    engine.add_argument("--max-prefill-tokens", type=_non_negative_int, default=512, metavar="N",
+                        help="while requests stream, at most N prompt tokens per prefill step, "
+                        "the longest pause between their tokens (0: no cap; raise it on a GPU)")
     engine.add_argument("--kv-cache-pages", type=int, default=0, metavar="N",
                         help="KV-cache pages (default: the export's device_block_count)")
     parser.set_defaults(run=run_serve)
@@ -122,5 +132,6 @@ def run_serve(args) -> int:
         page_count=args.kv_cache_pages,
         max_running=args.max_running,
         max_queue=args.max_queue,
+        prefill_token_budget=args.max_prefill_tokens,
     )
     return serve(service_config, settings, log_level=args.log_level, prepare=prepare)

@@ -37,6 +37,9 @@ class SchedulerConfig:
     block_seq_stride: int
     max_seq_len: int
     chunk_tokens: int = 256  # longest prefill chunk per sequence (a multiple of the stride)
+    # While sequences wait to decode, the most prompt tokens one prefill call takes (0: no
+    # cap): a prefill call is the gap between two streamed tokens of every running request.
+    prefill_token_budget: int = 0
     max_running: int = 32  # sequences holding pages at once
     has_prefill_position: bool = True
 
@@ -88,11 +91,11 @@ class Scheduler:
         prefilling = [s for s in self.running if s.in_prefill]
         decoding = [s for s in self.running if not s.in_prefill]
         if prefilling and (not decoding or self.last_kind == "decode"):
-            batch = self._prefill_batch(prefilling)
+            batch = self._prefill_batch(prefilling, budgeted=bool(decoding))
         elif decoding:
             batch = self._decode_batch(decoding)
             if batch is None and prefilling:
-                batch = self._prefill_batch(prefilling)
+                batch = self._prefill_batch(prefilling, budgeted=False)  # nothing can decode now
         else:
             batch = None
         if batch is not None:
@@ -128,16 +131,22 @@ class Scheduler:
         for item in deferred:
             heapq.heappush(self.waiting, item)
 
-    def _prefill_batch(self, candidates: list[Sequence]) -> Batch:
+    def _prefill_batch(self, candidates: list[Sequence], budgeted: bool) -> Batch:
         # As many rows as the largest exported size that they fill: prefill is compute-bound
         # and a padding row costs as much as a real one, so two prompts with sizes [1, 4] run
         # as two batches of 1 rather than one batch of 4 that is half padding.
         sizes = self.config.prefill_batch_sizes
         rows = max((size for size in sizes if size <= len(candidates)), default=sizes[0])
         candidates = sorted(candidates, key=lambda s: s.priority_key)[:rows]
+        chunk_tokens = self.config.chunk_tokens
+        if budgeted and self.config.prefill_token_budget:
+            # Shorter chunks, whole pages each, so the call fits the budget.
+            stride = self.config.block_seq_stride
+            share = self.config.prefill_token_budget // len(candidates) // stride * stride
+            chunk_tokens = min(chunk_tokens, max(stride, share))
         starts, chunks, samples = [], [], []
         for seq in candidates:
-            end = min(seq.prefill_target, seq.computed + self.config.chunk_tokens)
+            end = min(seq.prefill_target, seq.computed + chunk_tokens)
             starts.append(seq.computed)
             chunks.append(seq.tokens[seq.computed : end])
             # A preempted sequence already sampled its last token: nothing to sample here.

@@ -55,6 +55,7 @@ class ServiceConfig:
     page_count: int = 0  # 0: the export's device_block_count (or the memory budget)
     memory_budget_bytes: int = 0  # size the cache from bytes instead of a page count
     chunk_tokens: int = 256
+    prefill_token_budget: int = 512  # see SchedulerConfig; 0: no cap
     max_running: int = 32
     max_queue: int = 256  # requests waiting before submit answers "busy"
 
@@ -129,6 +130,7 @@ class GenerateService:
                 block_seq_stride=params.block_seq_stride,
                 max_seq_len=params.max_seq_len,
                 chunk_tokens=chunk,
+                prefill_token_budget=config.prefill_token_budget,
                 max_running=config.max_running,
                 has_prefill_position=params.has_prefill_position,
             ),

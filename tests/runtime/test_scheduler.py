@@ -155,3 +155,31 @@ def test_a_sibling_waits_for_its_leader_and_reuses_its_pages():
         complete(scheduler, batch)
     assert sibling.allocation.pages[:2] == leader.allocation.pages[:2]
     cache.check_integrity()
+
+
+def test_prefill_token_budget_shortens_chunks_only_while_others_decode():
+    pool = PagePool(512)
+    config = SchedulerConfig([1, 4], [1, 4], block_seq_stride=4, max_seq_len=256, chunk_tokens=32,
+                             prefill_token_budget=40)
+    scheduler = Scheduler(config, PlainPagedAttentionCache(pool, 4))
+    first = [seq(64, name=f"a{i}") for i in range(4)]
+    for s in first:
+        scheduler.add(s)
+    batch = scheduler.schedule()  # nothing decodes yet: full chunks
+    assert batch.kind == "prefill" and [len(c) for c in batch.chunks] == [32] * 4
+    complete(scheduler, batch)
+    batch = scheduler.schedule()
+    complete(scheduler, batch)
+    assert all(not s.in_prefill for s in first)
+    later = [seq(64, name=f"b{i}") for i in range(4)]
+    for s in later:
+        scheduler.add(s)
+    kinds = []
+    for _ in range(2):
+        batch = scheduler.schedule()
+        kinds.append(batch.kind)
+        if batch.kind == "prefill":
+            # 40 tokens over 4 rows, whole pages of 4: 8 each
+            assert [len(c) for c in batch.chunks] == [8] * 4
+        complete(scheduler, batch)
+    assert sorted(kinds) == ["decode", "prefill"]
