@@ -58,7 +58,9 @@ class Scheduler:
         self.preemptions = 0
         self._served = 0  # stamps decode service order, for round-robin
         if not config.has_prefill_position:
-            self.config.chunk_tokens = config.max_seq_len  # no start positions: whole prompts only
+            # No start positions: whole prompts only, whatever the budget.
+            self.config.chunk_tokens = config.max_seq_len
+            self.config.prefill_token_budget = 0
 
     # -- membership -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:

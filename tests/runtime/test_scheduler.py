@@ -183,3 +183,19 @@ def test_prefill_token_budget_shortens_chunks_only_while_others_decode():
             assert [len(c) for c in batch.chunks] == [8] * 4
         complete(scheduler, batch)
     assert sorted(kinds) == ["decode", "prefill"]
+
+
+def test_prefill_token_budget_never_splits_prompts_without_start_positions():
+    config = SchedulerConfig([1, 4], [1, 4], block_seq_stride=4, max_seq_len=256, chunk_tokens=32,
+                             prefill_token_budget=8, has_prefill_position=False)
+    scheduler = Scheduler(config, PlainPagedAttentionCache(PagePool(512), 4))
+    first = seq(20, name="first")
+    scheduler.add(first)
+    complete(scheduler, scheduler.schedule())
+    assert not first.in_prefill  # it decodes now
+    scheduler.add(seq(40, name="second"))
+    batch = scheduler.schedule()
+    assert batch.kind == "decode"  # the turns alternate
+    complete(scheduler, batch)
+    batch = scheduler.schedule()
+    assert batch.kind == "prefill" and [len(c) for c in batch.chunks] == [40]
