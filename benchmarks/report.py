@@ -124,8 +124,8 @@ def targets(results: dict) -> list[tuple[str, str, bool | None]]:
     for name, want in (("kiln f32", 1.0), ("kiln f16", 1.8)):
         r = ratio(off.get(name, {}).get("decode_bs1_tok_s"), base)
         if r is not None:
-            paired = _median_round_ratio(off[name], off["llama.cpp f32"], "decode_bs1_tok_s")
-            spread = f" (best of each; median of per-round ratios {paired:.2f}x)" if paired is not None else ""
+            per_round = _median_round_ratio(off[name], off["llama.cpp f32"], "decode_bs1_tok_s")
+            spread = f" (best of each; median of per-round ratios {per_round:.2f}x)" if per_round is not None else ""
             rows.append((f"decode bs1: {name} ≥ {want}x llama.cpp f32", f"{r:.2f}x{spread}", r >= want))
     k, t = off.get("kiln f32", {}).get("prefill_512_ms"), off.get("transformers f32", {}).get("prefill_512_ms")
     if k and t:

@@ -145,18 +145,37 @@ def _field_value(field) -> Any:
     return value
 
 
+def _dequantize_blocks(raw: np.ndarray, qtype) -> np.ndarray | None:
+    """Q1_0 and Q8_K, which gguf-py cannot dequantize (layouts from ggml-common.h), as
+    float32 values in file order; None for any other type. Q8_1 stays unsupported: gguf-py
+    sizes its block at 40 bytes where ggml's is 36, so its tensors are misread before this
+    point (llama.cpp uses Q8_1 and Q8_K only for activations, not stored weights)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+    if qtype not in (Q.Q8_K, Q.Q1_0):
+        return None
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, GGML_QUANT_SIZES[qtype][1])
+    if qtype == Q.Q1_0:  # f16 scale, then one bit per value: +scale or -scale
+        scale = blocks[:, :2].view(np.float16).astype(np.float32)
+        bits = np.unpackbits(blocks[:, 2:], axis=1, bitorder="little")
+        return np.where(bits == 1, scale, -scale).reshape(-1)
+    # Q8_K: f32 scale, 256 int8, then int16 group sums (not needed to dequantize)
+    scale, quants = blocks[:, :4].view(np.float32), blocks[:, 4:260].view(np.int8)
+    return (quants.astype(np.float32) * scale).reshape(-1)
+
+
 def _dequantize(tensor) -> np.ndarray:
     from gguf import GGMLQuantizationType, quants
 
     qtype = tensor.tensor_type
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F64,
-                 GGMLQuantizationType.I8, GGMLQuantizationType.I16, GGMLQuantizationType.I32):
+    if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F64, GGMLQuantizationType.I8,
+                 GGMLQuantizationType.I16, GGMLQuantizationType.I32, GGMLQuantizationType.I64):
         data = np.asarray(tensor.data)
-    else:
+    elif (data := _dequantize_blocks(tensor.data, qtype)) is None:
         try:
             data = quants.dequantize(tensor.data, qtype)
-        except NotImplementedError as e:
+        except NotImplementedError as e:  # Q8_1, or a type newer than both dequantizers
             raise ModelLoadError(f"tensor {tensor.name}: GGUF type {qtype.name} cannot be dequantized ({e})") from e
     # A copy: the reader's arrays are views of the memory-mapped file.
     return np.array(data, dtype=np.float32, copy=True).reshape(shape)

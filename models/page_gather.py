@@ -3,7 +3,8 @@
 Torch indexing (`pages[index]`, `index_select`, `embedding`) reaches IREE 3.13 as a
 `linalg.generic` that does a `tensor.extract` per element; on llvm-cpu it copies ~7-10 GB/s
 and was half of a decode step. `iree_linalg_ext.gather` copies whole pages and ran 1.6-4.6x
-faster in a one-dispatch probe (benchmarks/NOTES.md, session 4), so the model emits it directly through an iree-turbine custom op.
+faster in a one-dispatch probe (benchmarks/NOTES.md, session 4), so the model emits it
+directly through an iree-turbine custom op.
 Eager torch (the reference path) runs plain indexing.
 """
 

@@ -351,17 +351,36 @@ def test_smollm2_tokenizer_metadata_round_trips():
         assert meta[key] == value, key
 
 
-def test_a_type_gguf_cannot_dequantize_is_a_clear_error():
-    """gguf-py has no dequantizer for some types (Q8_1, Q8_K, ...): a ModelLoadError naming the
-    tensor and type, not a NotImplementedError from inside the library."""
+def _raw_tensor(qtype, blocks: bytes, values: int):
     from types import SimpleNamespace
 
+    return SimpleNamespace(name="blk.0.attn_q.weight", tensor_type=qtype, shape=np.array([values]),
+                           data=np.frombuffer(blocks, np.uint8))
+
+
+def test_block_types_gguf_py_cannot_dequantize_are_dequantized_by_kiln():
+    """Q8_K and Q1_0 (ggml-common.h layouts), one block each, known values."""
+    from gguf import GGMLQuantizationType as Q
+
+    from kiln.models.gguf_loader import _dequantize
+
+    ints = np.resize(np.arange(-128, 128, dtype=np.int16), 256).astype(np.int8)
+    q8_k = np.float32(0.25).tobytes() + ints.tobytes() + np.zeros(16, np.int16).tobytes()
+    np.testing.assert_array_equal(_dequantize(_raw_tensor(Q.Q8_K, q8_k, 256)), ints * np.float32(0.25))
+
+    signs = np.random.default_rng(0).integers(0, 2, 128).astype(np.uint8)
+    q1_0 = np.float16(1.5).tobytes() + np.packbits(signs, bitorder="little").tobytes()
+    np.testing.assert_array_equal(_dequantize(_raw_tensor(Q.Q1_0, q1_0, 128)), np.where(signs == 1, 1.5, -1.5))
+
+
+def test_a_type_no_dequantizer_knows_is_a_clear_error():
+    """Q8_1 (an activation type gguf-py cannot dequantize, and Kiln does not either): a
+    ModelLoadError naming the tensor and type, not a NotImplementedError from the library."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     from kiln.models.gguf_loader import _dequantize
 
     block, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_1]
-    tensor = SimpleNamespace(name="blk.0.attn_q.weight", tensor_type=GGMLQuantizationType.Q8_1,
-                             shape=np.array([block]), data=np.zeros(type_bytes, np.uint8))
+    tensor = _raw_tensor(GGMLQuantizationType.Q8_1, bytes(type_bytes), block)
     with pytest.raises(ModelLoadError, match="blk.0.attn_q.weight: GGUF type Q8_1 cannot be dequantized"):
         _dequantize(tensor)
