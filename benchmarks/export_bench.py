@@ -25,12 +25,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kiln.export.build import vmfb_name
+from kiln.runtime.contract import vmfb_file
 from kiln.export.compile import compile_vmfb
 from kiln.export.export_model import build_model, export_model
 from kiln.export.options import ExportOptions
 from kiln.models.checkpoint import load_checkpoint
-from kiln.runtime.program import Artifacts, Program
+from kiln.runtime.contract import Artifacts
+from kiln.runtime.program import Program
 
 RESULTS_DIR = Path(__file__).parent / "results"
 PREFILL_LENGTHS = (128, 512)
@@ -126,9 +127,9 @@ def main() -> int:
         results["compile_s"], results["vmfb_bytes"] = {}, {}
         for target in args.targets.split(","):
             started = time.monotonic()
-            compile_vmfb(scratch / "model.mlir", scratch / vmfb_name(target), target, log=log)
+            compile_vmfb(scratch / "model.mlir", scratch / vmfb_file(target), target, log=log)
             results["compile_s"][target] = time.monotonic() - started
-            results["vmfb_bytes"][target] = (scratch / vmfb_name(target)).stat().st_size
+            results["vmfb_bytes"][target] = (scratch / vmfb_file(target)).stat().st_size
         results["irpa_bytes"] = (scratch / "model.irpa").stat().st_size
 
         vocab = checkpoint.config.vocab_size

@@ -7,25 +7,18 @@ import sys
 import time
 from pathlib import Path
 
+from kiln.export.options import LOGITS_NORMALIZATIONS, ExportOptions
+from kiln.runtime.config import DTYPES
+from kiln.runtime.errors import ExportError
+from kiln.runtime.contract import CONFIG_FILE, PARAMETERS_FILE, TARGETS, TOKENIZER_FILE, vmfb_file
+
 
 def _log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-# By name, so that checking an error never imports the module that defines it.
-USER_ERRORS = {
-    "ModelLoadError", "ExportError", "ProgramLoadError", "ModelChoiceError", "InvalidRequestError", "ChatTemplateError",
-}
-
-
-def is_user_error(error: Exception) -> bool:
-    """Errors that mean bad input, not a bug: shown as one line without a traceback."""
-    names = {cls.__name__ for cls in type(error).__mro__}
-    return bool(names & USER_ERRORS)
-
-
 def _batch_sizes(text: str) -> list[int]:
-    from kiln.export.options import ExportError, parse_batch_sizes
+    from kiln.export.options import parse_batch_sizes
 
     try:
         return parse_batch_sizes(text)
@@ -44,19 +37,26 @@ def _positive_int(text: str) -> int:
 
 
 def add_export_options(parser: argparse.ArgumentParser) -> None:
+    defaults = ExportOptions()
+    sizes = ",".join
     parser.add_argument("--model", type=Path, help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-    parser.add_argument("--bs-prefill", type=_batch_sizes, default=[1, 4], help="prefill batch sizes, e.g. 1,4")
-    parser.add_argument("--bs-decode", type=_batch_sizes, default=[2, 4, 8],
-                        help="decode batch sizes, e.g. 2,4,8 (a batch of 2 decodes one sequence faster than 1)")
-    parser.add_argument("--block-seq-stride", type=_positive_int, default=16, help="tokens per KV-cache page")
-    parser.add_argument("--device-block-count", type=_positive_int, default=256, help="default KV-cache pages")
-    parser.add_argument("--max-seq-len", type=_positive_int, default=0, help="longest sequence (default: model context, at most 8192)")
-    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
-    parser.add_argument("--kv-cache-dtype", choices=["float32", "float16", "bfloat16"], default="",
+    parser.add_argument("--bs-prefill", type=_batch_sizes, default=defaults.prefill_batch_sizes,
+                        help=f"prefill batch sizes (default: {sizes(map(str, defaults.prefill_batch_sizes))})")
+    parser.add_argument("--bs-decode", type=_batch_sizes, default=defaults.decode_batch_sizes,
+                        help=f"decode batch sizes (default: {sizes(map(str, defaults.decode_batch_sizes))}; "
+                        "a batch of 2 decodes one sequence faster than 1)")
+    parser.add_argument("--block-seq-stride", type=_positive_int, default=defaults.block_seq_stride,
+                        help="tokens per KV-cache page (default: %(default)s)")
+    parser.add_argument("--device-block-count", type=_positive_int, default=defaults.device_block_count,
+                        help="default KV-cache pages (default: %(default)s)")
+    parser.add_argument("--max-seq-len", type=_positive_int, default=defaults.max_seq_len,
+                        help="longest sequence (default: model context, at most 8192)")
+    parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
+    parser.add_argument("--kv-cache-dtype", choices=DTYPES, default=defaults.kv_cache_dtype,
                         help="the KV cache's element type (default: --dtype); float16 halves its bytes")
     parser.add_argument("--prefill-final-logits", action="store_true", help="prefill returns only each row's last logits")
     parser.add_argument("--top-k", type=_positive_int, default=None, help="functions return top-k values and ids, not logits")
-    parser.add_argument("--logits-normalization", choices=["none", "softmax", "log_softmax"], default="none")
+    parser.add_argument("--logits-normalization", choices=LOGITS_NORMALIZATIONS, default=defaults.logits_normalization)
     parser.add_argument("--no-prefill-position", action="store_true", help="export prefill without start positions (no prefix reuse)")
     parser.add_argument(
         "--no-prefill-last", action="store_true",
@@ -65,11 +65,9 @@ def add_export_options(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args):
-    from kiln.export.options import ExportOptions
-
     return ExportOptions(
-        prefill_batch_sizes=args.bs_prefill,
-        decode_batch_sizes=args.bs_decode,
+        prefill_batch_sizes=tuple(args.bs_prefill),
+        decode_batch_sizes=tuple(args.bs_decode),
         block_seq_stride=args.block_seq_stride,
         device_block_count=args.device_block_count,
         max_seq_len=args.max_seq_len,
@@ -109,7 +107,7 @@ def run_export(args) -> int:
 def run_compile(args) -> int:
     from kiln.export.compile import compile_vmfb
 
-    output = args.output or Path(args.mlir).with_name(f"model_{args.target}.vmfb")
+    output = args.output or Path(args.mlir).with_name(vmfb_file(args.target))
     compile_vmfb(args.mlir, output, args.target, args.arch, args.extra_flags, log=_log)
     print(output)
     return 0
@@ -123,7 +121,7 @@ def run_build(args) -> int:
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     directory = build(args.model, options, targets, args.output_dir, extra_flags=args.extra_flags, log=_log)
     _log("artifacts:")
-    for name in ("model.json", "model.irpa", "tokenizer.json", *(f"model_{t}.vmfb" for t in targets)):
+    for name in (CONFIG_FILE, PARAMETERS_FILE, TOKENIZER_FILE, *(vmfb_file(t) for t in targets)):
         _log(f"  {directory / name}")
     print(directory)
     return 0
@@ -141,7 +139,7 @@ def add_commands(commands) -> None:
         usage="kiln compile-vmfb MODEL.mlir --target cpu|cuda|rocm [--arch ARCH] [-o OUT.vmfb] [-- extra iree-compile flags]",
     )
     compile_.add_argument("mlir", type=Path)
-    compile_.add_argument("--target", required=True, choices=["cpu", "cuda", "rocm"])
+    compile_.add_argument("--target", required=True, choices=TARGETS)
     compile_.add_argument("--arch", help="host | sm_80 | gfx942 ... (default per target)")
     compile_.add_argument("-o", "--output", type=Path)
     compile_.set_defaults(run=run_compile, extra_flags=[])

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kiln.runtime.errors import KilnError
+
 from . import export_commands, generate_command, serve_command
 
 
@@ -47,9 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kiln: interrupted", file=sys.stderr)
         return 130
-    except Exception as error:
-        if not export_commands.is_user_error(error):
-            raise
+    except KilnError as error:  # a user's mistake or a model Kiln cannot run: one line, no traceback
         print(f"kiln: error: {error}", file=sys.stderr)
         return 1
 

@@ -10,8 +10,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from kiln.runtime.errors import KilnError
 
-class ModelChoiceError(Exception):
+
+class ModelChoiceError(KilnError):
     """Conflicting or incomplete model arguments."""
 
 
@@ -40,7 +42,7 @@ def device_name(args) -> str:
 
 def resolve_artifacts(args, log=lambda line: print(line, file=sys.stderr, flush=True)):
     """Artifacts to load, building them first when a model (or nothing) was named."""
-    from kiln.runtime.program import Artifacts
+    from kiln.runtime.contract import Artifacts
 
     explicit = [args.vmfb, args.params, args.config]
     if any(explicit):
@@ -48,16 +50,13 @@ def resolve_artifacts(args, log=lambda line: print(line, file=sys.stderr, flush=
             raise ModelChoiceError("--vmfb, --params and --config go together")
         if args.artifacts or args.model:
             raise ModelChoiceError("give either --vmfb/--params/--config, --artifacts or --model, not several")
-        tokenizer = args.tokenizer or args.config.with_name("tokenizer.json")
-        return Artifacts(args.vmfb, args.params, args.config, tokenizer)
+        return Artifacts(args.vmfb, args.params, args.config, args.tokenizer)
     if args.artifacts:
         if args.model:
             raise ModelChoiceError("give either --artifacts or --model, not both")
         target = "cpu" if args.device.startswith("local") else ("cuda" if args.device.startswith("cuda") else "rocm")
-        artifacts = Artifacts.in_directory(args.artifacts, f"model_{target}.vmfb")
-        if args.tokenizer:
-            artifacts.tokenizer = args.tokenizer
-        return artifacts
+        artifacts = Artifacts.in_directory(args.artifacts, target)
+        return artifacts.with_tokenizer(args.tokenizer) if args.tokenizer else artifacts
     try:
         from kiln.export.build import build, default_build_options
     except ImportError as error:
@@ -68,4 +67,4 @@ def resolve_artifacts(args, log=lambda line: print(line, file=sys.stderr, flush=
     if not args.device.startswith("local"):
         raise ModelChoiceError("building on first use targets the CPU: pass --artifacts for GPU builds")
     directory = build(args.model, default_build_options(args.dtype, args.kv_cache_dtype), ["cpu"], log=log)
-    return Artifacts.in_directory(directory, "model_cpu.vmfb")
+    return Artifacts.in_directory(directory, "cpu")

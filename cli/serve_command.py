@@ -11,6 +11,9 @@ import argparse
 import os
 from pathlib import Path
 
+from kiln.runtime.service_config import PREFIX_SHARING, ServiceConfig
+from kiln.server.settings import ServerSettings
+
 from .model_args import add_model_arguments, device_name, resolve_artifacts
 
 
@@ -28,12 +31,20 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
 def add_command(commands) -> None:
     parser = commands.add_parser("serve", help="serve a compiled model over HTTP (OpenAI API, /generate)")
     add_model_arguments(parser)
+    settings = ServerSettings()
     server = parser.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1")
-    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--host", default=settings.host)
+    server.add_argument("--port", type=int, default=settings.port)
     server.add_argument("--served-model-name", nargs="+", metavar="NAME",
                         help="name(s) the API answers to (default: the model's)")
     server.add_argument("--chat-template", metavar="F", help="a Jinja chat template file (or the template itself)")
@@ -43,20 +54,23 @@ def add_command(commands) -> None:
                         help="allow browsers from this origin (repeatable; '*' for any)")
     server.add_argument("--rate-limit", type=_positive_float, default=0.0, metavar="R",
                         help="requests per second per API key (or client address), bursts of R; 0: off")
-    server.add_argument("--max-body-bytes", type=int, default=16 * 2**20, metavar="N")
-    server.add_argument("--grace-period", type=_positive_float, default=30.0, metavar="S",
-                        help="on SIGTERM/SIGINT, seconds in-flight requests get to finish")
+    server.add_argument("--max-body-bytes", type=_positive_int, default=settings.max_body_bytes, metavar="N",
+                        help="the largest request body (default: %(default)s)")
+    server.add_argument("--grace-period", type=_positive_float, default=settings.grace_seconds, metavar="S",
+                        help="on SIGTERM/SIGINT, seconds in-flight requests get to finish (default: %(default)s)")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     server.add_argument("--no-access-log", action="store_true")
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--prefix-sharing", choices=["trie", "none"], default="trie")
-    engine.add_argument("--max-queue", type=int, default=256, metavar="N",
-                        help="requests waiting before new ones get 503")
-    engine.add_argument("--max-running", type=int, default=32, metavar="N", help="sequences decoding at once")
-    engine.add_argument("--max-prefill-tokens", type=_non_negative_int, default=512, metavar="N",
-                        help="while requests stream, at most N prompt tokens per prefill step, "
-                        "the longest pause between their tokens (0: no cap; raise it on a GPU)")
-    engine.add_argument("--kv-cache-pages", type=int, default=0, metavar="N",
+    defaults = ServiceConfig()
+    engine.add_argument("--prefix-sharing", choices=PREFIX_SHARING, default=defaults.prefix_sharing)
+    engine.add_argument("--max-queue", type=_non_negative_int, default=defaults.max_queue, metavar="N",
+                        help="requests waiting before new ones get 503 (default: %(default)s)")
+    engine.add_argument("--max-running", type=_positive_int, default=defaults.max_running, metavar="N",
+                        help="sequences decoding at once (default: %(default)s)")
+    engine.add_argument("--max-prefill-tokens", type=_non_negative_int, default=defaults.prefill_token_budget,
+                        metavar="N", help="while requests stream, at most N prompt tokens per prefill step, "
+                        "the longest pause between their tokens (default: %(default)s; 0: no cap; raise it on a GPU)")
+    engine.add_argument("--kv-cache-pages", type=_non_negative_int, default=defaults.page_count, metavar="N",
                         help="KV-cache pages (default: the export's device_block_count)")
     parser.set_defaults(run=run_serve)
 
@@ -100,9 +114,7 @@ def read_chat_template(value: str | None) -> str | None:
 
 
 def run_serve(args) -> int:
-    from kiln.runtime.service import ServiceConfig
     from kiln.server.main import serve
-    from kiln.server.settings import ServerSettings
 
     if args.model is not None and not args.model.exists():
         from kiln.models.config import ModelLoadError
@@ -115,11 +127,10 @@ def run_serve(args) -> int:
     settings = ServerSettings(
         host=args.host,
         port=args.port,
-        served_model_names=default_model_names(args, artifacts),
-        model_root=str(Path(artifacts.config).resolve().parent) if artifacts else "",
+        served_model_names=tuple(default_model_names(args, artifacts)),
         chat_template=read_chat_template(args.chat_template),
-        api_keys=[k.strip() for k in api_keys],
-        cors_origins=list(args.cors_origin),
+        api_keys=tuple(k.strip() for k in api_keys),
+        cors_origins=tuple(args.cors_origin),
         rate_limit=args.rate_limit,
         max_body_bytes=args.max_body_bytes,
         grace_seconds=args.grace_period,

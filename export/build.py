@@ -14,6 +14,8 @@ from pathlib import Path
 from kiln.models.checkpoint import load_checkpoint
 from kiln.models.default_model import cache_dir
 
+from kiln.runtime.contract import CONFIG_FILE, MLIR_FILE, vmfb_file
+
 from .compile import compile_vmfb, target_flags
 from .export_model import export_model
 from .options import ExportOptions
@@ -64,14 +66,8 @@ def default_build_options(dtype: str = "float32", kv_cache_dtype: str = "") -> E
     # 1024 pages of 16 tokens: 16 sequences of 1024 tokens decode at once without
     # preemption (256 pages held ~10 of the serving benchmark's 384-token requests).
     # No decode_bs1: one sequence decodes in a batch of 2 (see ExportOptions.decode_batch_sizes).
-    return ExportOptions(
-        prefill_batch_sizes=[1, 4], decode_batch_sizes=[2, 4, 8, 16], dtype=dtype, max_seq_len=4096,
-        prefill_last_functions=True, device_block_count=1024, kv_cache_dtype=kv_cache_dtype,
-    )
-
-
-def vmfb_name(target: str) -> str:
-    return f"model_{target}.vmfb"
+    return ExportOptions(decode_batch_sizes=(2, 4, 8, 16), dtype=dtype, max_seq_len=4096, device_block_count=1024,
+                         kv_cache_dtype=kv_cache_dtype)
 
 
 def build(
@@ -92,16 +88,16 @@ def build(
         key = artifacts_key(model_path, options, {"arch": arch, "flags": extra_flags or []})
         output_dir = cache_dir() / "artifacts" / key
     output_dir = Path(output_dir)
-    if reuse and (output_dir / "model.json").exists():
+    if reuse and (output_dir / CONFIG_FILE).exists():
         log(f"export: {output_dir} already holds an export, reusing it")
     else:
         log("loading the model" + (f" from {model_path}" if model_path else " (bundled SmolLM2-135M-Instruct)"))
         checkpoint = load_checkpoint(model_path)
         export_model(checkpoint, options, output_dir, log=log)
     for target in targets:
-        vmfb = output_dir / vmfb_name(target)
-        if reuse and vmfb.exists() and vmfb.stat().st_mtime >= (output_dir / "model.mlir").stat().st_mtime:
+        vmfb = output_dir / vmfb_file(target)
+        if reuse and vmfb.exists() and vmfb.stat().st_mtime >= (output_dir / MLIR_FILE).stat().st_mtime:
             log(f"compile: {vmfb.name} is up to date")
             continue
-        compile_vmfb(output_dir / "model.mlir", vmfb, target, arch.get(target), extra_flags, log=log)
+        compile_vmfb(output_dir / MLIR_FILE, vmfb, target, arch.get(target), extra_flags, log=log)
     return output_dir

@@ -1,7 +1,8 @@
 """`kiln compile-vmfb`: drive iree-compile, with the KV cache updated in place.
 
 Out of the box IREE imports the mutated cache argument without ownership and
-copies the whole cache on every call (DESIGN.md). We compile in two phases: to
+copies the whole cache on every call (1-3 full copies per call; decode on a tiny
+model with a 256 MiB cache went from 0.34 ms to 222 ms per token). We compile in two phases: to
 the input dialect, where each exported function imports the cache with
 `hal.tensor.import` and writes it back with `hal.tensor.alias`; we mark that
 import `consume` (the callee owns the buffer: the KV-cache contract) with the
@@ -15,9 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from .options import ExportError
+from kiln.runtime.contract import TARGETS
+from kiln.runtime.errors import ExportError
 
-TARGETS = ("cpu", "cuda", "rocm")
 DEFAULT_ARCH = {"cpu": "host", "cuda": "sm_80", "rocm": "gfx942"}
 
 

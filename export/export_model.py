@@ -22,12 +22,14 @@ from iree.turbine import aot
 from kiln.models.checkpoint import Checkpoint
 from kiln.models.llama import PagedLlama
 from kiln.runtime.config import KilnParams, ModelParams, PagedKVCacheParams, save_model_config, sidecar_path
+from kiln.runtime.contract import (
+    CONFIG_FILE, MLIR_FILE, PARAMETER_SCOPE, PARAMETERS_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
+)
 
 from .exporter import TORCH_DTYPES, trace_module
 from .options import ExportError, ExportOptions
 
-PARAMETER_SCOPE = "model"
-ARTIFACT_NAMES = ("model.mlir", "model.irpa", "tokenizer.json", "tokenizer_config.json")
+ARTIFACT_NAMES = (MLIR_FILE, PARAMETERS_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
 
 
 @dataclass
@@ -36,19 +38,19 @@ class ExportedModel:
 
     @property
     def mlir(self) -> Path:
-        return self.directory / "model.mlir"
+        return self.directory / MLIR_FILE
 
     @property
     def irpa(self) -> Path:
-        return self.directory / "model.irpa"
+        return self.directory / PARAMETERS_FILE
 
     @property
     def config(self) -> Path:
-        return self.directory / "model.json"
+        return self.directory / CONFIG_FILE
 
     @property
     def tokenizer(self) -> Path:
-        return self.directory / "tokenizer.json"
+        return self.directory / TOKENIZER_FILE
 
 
 def model_params(checkpoint: Checkpoint, options: ExportOptions) -> ModelParams:
@@ -73,24 +75,11 @@ def model_params(checkpoint: Checkpoint, options: ExportOptions) -> ModelParams:
 
 
 def kiln_params(checkpoint: Checkpoint, options: ExportOptions) -> KilnParams:
-    from importlib.metadata import PackageNotFoundError, version
-
     c = checkpoint.config
-    try:
-        kiln_version = version("kiln")
-    except PackageNotFoundError:
-        kiln_version = ""
     return KilnParams(
         vocab_size=c.vocab_size,
-        model_name=c.name,
-        architecture=c.architecture,
-        bos_token_id=c.bos_token_id,
         eos_token_ids=list(c.eos_token_ids),
-        dtype=options.dtype,
         prefill_final_logits=options.prefill_final_logits,
-        hidden_size=c.hidden_size,
-        num_attention_heads=c.num_attention_heads,
-        kiln_version=kiln_version,
     )
 
 
@@ -104,7 +93,7 @@ def build_model(checkpoint: Checkpoint, options: ExportOptions) -> PagedLlama:
 
 
 def export_model(checkpoint: Checkpoint, options: ExportOptions, output_dir: Path, log=print) -> ExportedModel:
-    options.validate(checkpoint.config.max_position_embeddings)
+    options = options.validate(checkpoint.config.max_position_embeddings)
     output_dir = Path(output_dir)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
@@ -115,8 +104,9 @@ def export_model(checkpoint: Checkpoint, options: ExportOptions, output_dir: Pat
 
         started = time.monotonic()
         aot.externalize_module_parameters(model, external_scope=PARAMETER_SCOPE)
-        aot.save_module_parameters(scratch / "model.irpa", model)
-        log(f"saved parameters ({(scratch / 'model.irpa').stat().st_size / 2**20:.1f} MiB) in {time.monotonic() - started:.1f}s")
+        aot.save_module_parameters(scratch / PARAMETERS_FILE, model)
+        log(f"saved parameters ({(scratch / PARAMETERS_FILE).stat().st_size / 2**20:.1f} MiB) "
+            f"in {time.monotonic() - started:.1f}s")
 
         log("tracing:")
         started = time.monotonic()
@@ -124,17 +114,17 @@ def export_model(checkpoint: Checkpoint, options: ExportOptions, output_dir: Pat
             # torch.export's own deprecation chatter (LeafSpec), not ours to act on.
             warnings.filterwarnings("ignore", category=FutureWarning)
             output = trace_module(model, options, log=log)
-        output.save_mlir(scratch / "model.mlir")
-        log(f"wrote model.mlir in {time.monotonic() - started:.1f}s")
+        output.save_mlir(scratch / MLIR_FILE)
+        log(f"wrote {MLIR_FILE} in {time.monotonic() - started:.1f}s")
 
-        (scratch / "tokenizer.json").write_text(checkpoint.tokenizer_json)
-        (scratch / "tokenizer_config.json").write_text(json.dumps(checkpoint.tokenizer_config, indent=2) + "\n")
-        save_model_config(scratch / "model.json", model_params(checkpoint, options), kiln_params(checkpoint, options))
+        (scratch / TOKENIZER_FILE).write_text(checkpoint.tokenizer_json)
+        (scratch / TOKENIZER_CONFIG_FILE).write_text(json.dumps(checkpoint.tokenizer_config, indent=2) + "\n")
+        save_model_config(scratch / CONFIG_FILE, model_params(checkpoint, options), kiln_params(checkpoint, options))
 
         output_dir.mkdir(parents=True, exist_ok=True)
         # A stale model.json must not vouch for half-replaced files.
-        (output_dir / "model.json").unlink(missing_ok=True)
-        for name in (*ARTIFACT_NAMES, sidecar_path(Path("model.json")).name, "model.json"):
+        (output_dir / CONFIG_FILE).unlink(missing_ok=True)
+        for name in (*ARTIFACT_NAMES, sidecar_path(Path(CONFIG_FILE)).name, CONFIG_FILE):
             os.replace(scratch / name, output_dir / name)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

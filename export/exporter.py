@@ -1,17 +1,21 @@
 """Trace a PagedLlama into one MLIR module of prefill_bs<N> / decode_bs<N> functions.
 
-The functions follow shortfin's ABI (DESIGN.md). Token length, block count and
-the cache's page count are dynamic, so one VMFB serves any prompt length up to
-max_seq_len and any cache size the runtime chooses.
+Names and argument orders are the contract's (runtime/contract.py), which follows
+shortfin's ABI. Token length, block count and the cache's page count are dynamic, so
+one VMFB serves any prompt length up to max_seq_len and any cache size the runtime
+chooses.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 from iree.turbine import aot
 from torch.export import Dim
 
 from kiln.models.llama import PagedLlama
+from kiln.runtime.contract import FunctionKind, argument_names, function_name
 
 from .options import ExportOptions
 
@@ -41,90 +45,72 @@ def select_logits(model: PagedLlama, options: ExportOptions, h, start_pos, seq_l
     return torch.topk(logits, options.top_k, dim=-1)
 
 
-def trace_module(model: PagedLlama, options: ExportOptions, log=print) -> aot.ExportOutput:
-    """Export every requested function of `model` into one module."""
-    import time
+def abi_functions(options: ExportOptions, final_only: bool) -> dict[FunctionKind, object]:
+    """The traced bodies by kind; their parameters (after the model) are the contract's argument names."""
 
+    def prefill(model, tokens, start_pos, seq_lens, seq_block_ids, cache, final_only=final_only):
+        h = model.forward_paged(tokens, start_pos, seq_lens, seq_block_ids, cache)
+        return select_logits(model, options, h, start_pos, seq_lens, final_only)
+
+    def prefill_without_position(model, tokens, seq_lens, seq_block_ids, cache, final_only=final_only):
+        start_pos = torch.zeros_like(seq_lens)
+        h = model.forward_paged(tokens, start_pos, seq_lens, seq_block_ids, cache)
+        return select_logits(model, options, h, start_pos, seq_lens, final_only)
+
+    def decode(model, tokens, seq_lens, start_positions, seq_block_ids, cache):
+        h = model.forward_paged(tokens, start_positions, seq_lens, seq_block_ids, cache)
+        return select_logits(model, options, h, start_positions, seq_lens)
+
+    return {
+        FunctionKind.PREFILL: prefill if options.has_prefill_position else prefill_without_position,
+        FunctionKind.DECODE: decode,
+    }
+
+
+def trace_module(model: PagedLlama, options: ExportOptions, log=print) -> aot.ExportOutput:
+    """Export every function the contract lists for these options into one module."""
     stride = options.block_seq_stride
     max_blocks = options.max_seq_len // stride
     cache_dtype = TORCH_DTYPES[options.cache_dtype]
     example_pages = max(options.device_block_count, 4)
     fxb = aot.FxProgramsBuilder(model)
 
-    prefill_kinds = [("prefill", options.prefill_final_logits)]
+    kinds = [(FunctionKind.PREFILL, options.prefill_final_logits)]
     if options.prefill_last_functions and not options.prefill_final_logits:
-        prefill_kinds.append(("prefill_last", True))
-    for (kind, final_only), bs in ((k, bs) for k in prefill_kinds for bs in options.prefill_batch_sizes):
-        started = time.monotonic()
-        token_blocks = Dim("token_blocks", min=1, max=max_blocks)
-        blocks = Dim("blocks", min=1, max=max_blocks)
-        pages = Dim("pages", min=2)
-        # The example shapes must differ from one another and from 1, or export
-        # specializes them as equal.
-        tokens = torch.zeros(bs, 2 * stride, dtype=torch.int64)
-        start_pos = torch.zeros(bs, dtype=torch.int64)
-        seq_lens = torch.ones(bs, dtype=torch.int64)
-        seq_block_ids = torch.zeros(bs, 3, dtype=torch.int64)
-        cache = model.allocate_cache(example_pages, cache_dtype)
-        tokens_dims = {1: token_blocks * stride}
-        shapes = {"tokens": tokens_dims, "seq_lens": {}, "seq_block_ids": {1: blocks}, "cache": {0: pages}}
-
-        if options.has_prefill_position:
-            shapes["start_pos"] = {}
-
-            @fxb.export_program(
-                name=f"{kind}_bs{bs}",
-                args=(tokens, start_pos, seq_lens, seq_block_ids, cache),
-                dynamic_shapes=shapes,
+        kinds.append((FunctionKind.PREFILL_LAST, True))
+    kinds.append((FunctionKind.DECODE, True))
+    for kind, final_only in kinds:
+        traced_kind = FunctionKind.DECODE if kind is FunctionKind.DECODE else FunctionKind.PREFILL
+        body = abi_functions(options, final_only)[traced_kind]
+        names = argument_names(traced_kind, options.has_prefill_position)
+        sizes = options.decode_batch_sizes if kind is FunctionKind.DECODE else options.prefill_batch_sizes
+        for bs in sizes:
+            started = time.monotonic()
+            blocks = Dim("blocks", min=1, max=max_blocks)
+            # The example shapes must differ from one another and from 1, or export
+            # specializes them as equal.
+            if kind is FunctionKind.DECODE:
+                tokens, tokens_dims = torch.zeros(bs, 1, dtype=torch.int64), {}
+            else:
+                token_blocks = Dim("token_blocks", min=1, max=max_blocks)
+                tokens, tokens_dims = torch.zeros(bs, 2 * stride, dtype=torch.int64), {1: token_blocks * stride}
+            examples = {
+                "tokens": (tokens, tokens_dims),
+                "start_pos": (torch.zeros(bs, dtype=torch.int64), {}),
+                "start_positions": (torch.zeros(bs, dtype=torch.int64), {}),
+                "seq_lens": (torch.ones(bs, dtype=torch.int64), {}),
+                "seq_block_ids": (torch.zeros(bs, 3, dtype=torch.int64), {1: blocks}),
+                "cache": (model.allocate_cache(example_pages, cache_dtype), {0: Dim("pages", min=2)}),
+            }
+            name = function_name(kind, bs)
+            fxb.export_program(
+                body,
+                name=name,
+                args=tuple(examples[arg][0] for arg in names),
+                dynamic_shapes={arg: examples[arg][1] for arg in names},
                 strict=False,
             )
-            def _(model, tokens, start_pos, seq_lens, seq_block_ids, cache, final_only=final_only):
-                h = model.forward_paged(tokens, start_pos, seq_lens, seq_block_ids, cache)
-                return select_logits(model, options, h, start_pos, seq_lens, final_only)
-
-        else:
-
-            @fxb.export_program(
-                name=f"{kind}_bs{bs}",
-                args=(tokens, seq_lens, seq_block_ids, cache),
-                dynamic_shapes=shapes,
-                strict=False,
-            )
-            def _(model, tokens, seq_lens, seq_block_ids, cache, final_only=final_only):
-                start_pos = torch.zeros_like(seq_lens)
-                h = model.forward_paged(tokens, start_pos, seq_lens, seq_block_ids, cache)
-                return select_logits(model, options, h, start_pos, seq_lens, final_only)
-
-        log(f"  traced {kind}_bs{bs} in {time.monotonic() - started:.1f}s")
-
-    for bs in options.decode_batch_sizes:
-        started = time.monotonic()
-        blocks = Dim("blocks", min=1, max=max_blocks)
-        pages = Dim("pages", min=2)
-        tokens = torch.zeros(bs, 1, dtype=torch.int64)
-        seq_lens = torch.ones(bs, dtype=torch.int64)
-        start_positions = torch.zeros(bs, dtype=torch.int64)
-        seq_block_ids = torch.zeros(bs, 3, dtype=torch.int64)
-        cache = model.allocate_cache(example_pages, cache_dtype)
-        shapes = {
-            "tokens": {},
-            "seq_lens": {},
-            "start_positions": {},
-            "seq_block_ids": {1: blocks},
-            "cache": {0: pages},
-        }
-
-        @fxb.export_program(
-            name=f"decode_bs{bs}",
-            args=(tokens, seq_lens, start_positions, seq_block_ids, cache),
-            dynamic_shapes=shapes,
-            strict=False,
-        )
-        def _(model, tokens, seq_lens, start_positions, seq_block_ids, cache):
-            h = model.forward_paged(tokens, start_positions, seq_lens, seq_block_ids, cache)
-            return select_logits(model, options, h, start_positions, seq_lens)
-
-        log(f"  traced decode_bs{bs} in {time.monotonic() - started:.1f}s")
+            log(f"  traced {name} in {time.monotonic() - started:.1f}s")
 
     started = time.monotonic()
     output = aot.export(fxb)

@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
-DTYPES = ("float32", "float16", "bfloat16")
+from kiln.runtime.config import DTYPES
+from kiln.runtime.errors import ExportError
+
 LOGITS_NORMALIZATIONS = ("none", "softmax", "log_softmax")
 
 
-class ExportError(Exception):
-    """Bad export options or a model the export cannot handle: one line for the user."""
-
-
-@dataclass
+@dataclass(frozen=True)
 class ExportOptions:
-    prefill_batch_sizes: list[int] = field(default_factory=lambda: [1, 4])
+    prefill_batch_sizes: tuple[int, ...] = (1, 4)
     # No 1: IREE 3.13 compiles a batch-2 decode faster than a batch-1 one (18 vs 24 ms at
     # 384 tokens of context for SmolLM2), so a lone sequence decodes beside a padding row.
-    decode_batch_sizes: list[int] = field(default_factory=lambda: [2, 4, 8])
+    decode_batch_sizes: tuple[int, ...] = (2, 4, 8)
     block_seq_stride: int = 16
     device_block_count: int = 256
     max_seq_len: int = 0  # 0: the model's context length, capped at 8192
@@ -30,7 +28,7 @@ class ExportOptions:
     # Also export prefill_last_bs<N>: the same prefill returning only each row's last
     # logits, which the runtime calls unless a request needs every position's (prompt
     # logprobs). prefill_bs<N> keeps shortfin's full-logits ABI.
-    prefill_last_functions: bool = False
+    prefill_last_functions: bool = True
     top_k: int | None = None
     logits_normalization: str = "none"
     # Prefill takes start positions: what prefix caching and chunked prefill need.
@@ -41,12 +39,12 @@ class ExportOptions:
         return self.kv_cache_dtype or self.dtype
 
     def validate(self, context_length: int) -> "ExportOptions":
-        """Fill derived fields and reject nonsense with a message that names the option."""
+        """These options resolved for a model of `context_length` (sizes sorted, max_seq_len
+        filled in), or an ExportError that names the option at fault."""
         for name in ("prefill_batch_sizes", "decode_batch_sizes"):
             sizes = getattr(self, name)
             if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
-                raise ExportError(f"{name} must be positive integers, got {sizes}")
-            setattr(self, name, sorted(set(sizes)))
+                raise ExportError(f"{name} must be positive integers, got {list(sizes)}")
         if self.block_seq_stride < 1:
             raise ExportError(f"block_seq_stride must be positive, got {self.block_seq_stride}")
         if self.device_block_count < 2:
@@ -64,16 +62,16 @@ class ExportOptions:
             )
         if self.top_k is not None and self.top_k < 1:
             raise ExportError(f"top_k must be a positive integer, got {self.top_k}")
-        if not self.max_seq_len:
+        max_seq_len = self.max_seq_len
+        if not max_seq_len:
             cap = min(context_length or 8192, 8192)
-            self.max_seq_len = cap - cap % self.block_seq_stride
-        if self.max_seq_len < 1:
-            raise ExportError(f"max_seq_len must be positive, got {self.max_seq_len}")
-        if self.max_seq_len % self.block_seq_stride:
-            raise ExportError(
-                f"block_seq_stride {self.block_seq_stride} does not divide max_seq_len {self.max_seq_len}"
-            )
-        return self
+            max_seq_len = cap - cap % self.block_seq_stride
+        if max_seq_len < 1:
+            raise ExportError(f"max_seq_len must be positive, got {max_seq_len}")
+        if max_seq_len % self.block_seq_stride:
+            raise ExportError(f"block_seq_stride {self.block_seq_stride} does not divide max_seq_len {max_seq_len}")
+        return replace(self, prefill_batch_sizes=tuple(sorted(set(self.prefill_batch_sizes))),
+                       decode_batch_sizes=tuple(sorted(set(self.decode_batch_sizes))), max_seq_len=max_seq_len)
 
 
 def parse_batch_sizes(text: str) -> list[int]:

@@ -10,16 +10,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.runtime.errors import ModelLoadError
+
 # Architectures whose HF config.json / GGUF metadata we know how to map.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
 }
-
-
-class ModelLoadError(Exception):
-    """A model file that is missing, corrupt or of an architecture Kiln cannot run."""
 
 
 @dataclass

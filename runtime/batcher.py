@@ -1,25 +1,27 @@
 """The batcher: one asyncio task that steps the model for every request in flight.
 
 Each step is three calls, as in nano-vllm: the scheduler decides a batch, the
-executor runs it, and `postprocess` samples, detokenizes, applies stop rules and
-sends each sequence's new text to its request's queue. Aborts are applied
-between steps, so pages never change hands while the device writes to them.
+executor runs it, and the step's results are applied: sampled by the sampler,
+taken in by the scheduler (the one owner of sequence states), and turned into text
+and events by the output processor. Aborts are applied between steps, so pages
+never change hands while the device writes to them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from .detokenizer import IncrementalDetokenizer, StopChecker
-from .executor import Executor, InvocationError
-from .request import Event, Request, Sequence, SequenceStatus, TokenLogprob
-from .sampling import Sampler, compute_logprobs_rows
-from .scheduler import Batch, Scheduler
+from .batch import Batch, Phase
+from .executor import Executor
+from .invocation import InvocationError
+from .output_processor import OutputProcessor
+from .request import Request, Sequence, SequenceState
+from .sampling import Sampler
+from .scheduler import Scheduler
 
 log = logging.getLogger("kiln.batcher")
 
@@ -35,13 +37,11 @@ class BatcherCounters:
 
 
 class Batcher:
-    def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer, eos_token_ids: list[int], max_seq_len: int):
+    def __init__(self, scheduler: Scheduler, executor: Executor, outputs: OutputProcessor, sampler: Sampler):
         self.scheduler = scheduler
         self.executor = executor
-        self.tokenizer = tokenizer
-        self.eos_token_ids = set(eos_token_ids)
-        self.max_seq_len = max_seq_len
-        self.sampler = Sampler(eos_token_ids)
+        self.outputs = outputs
+        self.sampler = sampler
         self.counters = BatcherCounters()
         self.requests: dict[str, Request] = {}
         self._pending_aborts: set[str] = set()
@@ -56,13 +56,10 @@ class Batcher:
         leader = None
         for index in range(request.params.n):
             seq = Sequence(request, index, leader=leader)
-            seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_ids, skip_special_tokens=request.params.skip_special_tokens
-            )
-            seq.stop_checker = StopChecker(request.params.stop)
             request.sequences.append(seq)
             leader = leader or seq
         self.requests[request.request_id] = request
+        self.outputs.add(request)
         for seq in request.sequences:
             self.scheduler.add(seq)
         self.counters.prompt_tokens += len(request.prompt_ids)
@@ -77,18 +74,22 @@ class Batcher:
     def _apply_aborts(self) -> None:
         for request_id in self._pending_aborts:
             request = self.requests.get(request_id)
-            if request is None:
-                continue
-            for seq in request.sequences:
-                if seq.status is not SequenceStatus.FINISHED:
-                    self._finish(seq, "abort")
+            if request is not None:
+                self._end(request.sequences, "abort")
         self._pending_aborts.clear()
 
-    def _finish(self, seq: Sequence, reason: str, stop_reason=None, error: str | None = None, text: str = "") -> None:
-        self.scheduler.finish(seq, reason)
-        seq.emit(Event(seq.index, text=text, finish_reason=reason, stop_reason=stop_reason, error=error))
-        if seq.request.finished:
-            self.requests.pop(seq.request.request_id, None)
+    def _end(self, seqs, reason: str, error: str | None = None) -> None:
+        """Finish sequences from outside a step (abort, failure): pages back, last event out."""
+        for seq in seqs:
+            if seq is None or seq.state is SequenceState.FINISHED:
+                continue
+            self.scheduler.finish(seq, reason)
+            self.outputs.finish(seq, reason, error)
+            self._forget_if_done(seq.request)
+
+    def _forget_if_done(self, request: Request) -> None:
+        if request.finished:
+            self.requests.pop(request.request_id, None)
 
     # -- the loop ---------------------------------------------------------------------
     def start(self) -> None:
@@ -112,91 +113,41 @@ class Batcher:
             try:
                 logits = await self.executor.run(batch)
             except InvocationError as error:
-                log.error("batch of %d failed: %s", len(batch.seqs), error)
+                log.error("batch of %d failed: %s", batch.rows, error)
                 self.counters.failed_batches += 1
-                for seq in batch.seqs:
-                    if seq.status is not SequenceStatus.FINISHED:
-                        self._finish(seq, "error", error=str(error))
+                self._end(self.scheduler.sequences_of(batch), "error", str(error))
                 continue
             try:
                 self.postprocess(batch, logits)
             except Exception as error:  # never let one bad row stop every request
                 log.exception("postprocess failed")
-                for seq in batch.seqs:
-                    if seq.status is not SequenceStatus.FINISHED:
-                        self._finish(seq, "error", error=f"internal error: {error}")
+                self._end(self.scheduler.sequences_of(batch), "error", f"internal error: {error}")
             # Let request handlers run between steps even when the device is fast.
             await asyncio.sleep(0)
 
     # -- after a step -----------------------------------------------------------------
     def postprocess(self, batch: Batch, logits: list[np.ndarray | None]) -> None:
+        """Sample, let the scheduler apply the step, and send each sequence's new text."""
         self.counters.steps += 1
-        if batch.kind == "prefill":
+        if batch.phase is Phase.PREFILL:
             self.counters.prefill_steps += 1
         else:
             self.counters.decode_steps += 1
-        for seq, start, chunk, samples, row_logits in zip(batch.seqs, batch.starts, batch.chunks, batch.samples, logits):
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted while the batch ran
-            if row_logits is not None and row_logits.ndim == 2:  # every position: prompt logprobs
-                self._record_prompt_logprobs(seq, start, row_logits)
+        seqs = self.scheduler.sequences_of(batch)
+        last_logits: list[np.ndarray | None] = []
+        for seq, start, full, row_logits in zip(seqs, batch.starts, batch.full_logits, logits):
+            if seq is not None and full and row_logits is not None:  # every position: prompt logprobs
+                self.outputs.record_prompt_logprobs(seq, start, row_logits)
                 row_logits = row_logits[-1]
-            seq.computed += len(chunk)
-            if batch.kind == "prefill":
-                self.scheduler.publish(seq)
-            if samples:
-                self._append_token(seq, row_logits)
-
-    def _record_prompt_logprobs(self, seq: Sequence, start: int, logits: np.ndarray) -> None:
-        """Logits at position p score prompt token p + 1: keep those, by position."""
-        if seq.prompt_logprobs is None:
-            return
-        count = min(len(logits), seq.prompt_len - 1 - start)
-        if count <= 0:
-            return
-        targets = seq.tokens[start + 1 : start + 1 + count]
-        rows = compute_logprobs_rows(logits[:count], targets, seq.request.params.prompt_logprobs)
-        for offset, (token, (logprob, top)) in enumerate(zip(targets, rows)):
-            seq.prompt_logprobs[start + 1 + offset] = TokenLogprob(token, logprob, top)
-
-    def _append_token(self, seq: Sequence, logits: np.ndarray) -> None:
-        params = seq.request.params
-        result = self.sampler.sample(logits, params, seq.rng, seq.output_ids, seq.tokens[: seq.prompt_len])
-        token = result.token_id
-        if seq.request.first_token_time is None:
-            seq.request.first_token_time = time.monotonic()
-        seq.tokens.append(token)
-        self.counters.generated_tokens += 1
-        generated = len(seq.tokens) - seq.prompt_len
-
-        finish, stop_reason = None, None
-        if token in self.eos_token_ids and not params.ignore_eos:
-            finish, stop_reason = "stop", token
-        elif token in params.stop_token_ids:
-            finish, stop_reason = "stop", token
-        delta = "" if finish else seq.detokenizer.add(token)
-        text, stopped = seq.stop_checker.feed(delta)
-        if stopped:
-            finish, stop_reason = "stop", seq.stop_checker.matched
-        elif finish is None and (generated >= params.max_tokens or len(seq.tokens) >= self.max_seq_len):
-            finish = "length"
-        if finish is not None and not stopped:
-            # Release what the detokenizer and the stop checker still hold.
-            tail, stopped = seq.stop_checker.feed(seq.detokenizer.flush())
-            text += tail
-            if stopped:
-                finish, stop_reason = "stop", seq.stop_checker.matched
-            else:
-                text += seq.stop_checker.finish()
-        logprobs = [] if result.logprob is None else [TokenLogprob(token, result.logprob, result.top_logprobs or {})]
-        event = Event(seq.index, text=text, token_ids=[token], logprobs=logprobs,
-                      prompt_logprobs=seq.take_prompt_logprobs())
-        if finish is None:
-            seq.emit(event)
-        else:
-            # The last event carries the last token and the reason together.
-            self.scheduler.finish(seq, finish)
-            event.finish_reason, event.stop_reason = finish, stop_reason
-            seq.emit(event)
-            if seq.request.finished:
-                self.requests.pop(seq.request.request_id, None)
+            last_logits.append(row_logits)
+        sampling = [i for i, (seq, samples) in enumerate(zip(seqs, batch.samples)) if seq is not None and samples]
+        samples = dict(zip(sampling, self.sampler.sample_rows([last_logits[i] for i in sampling],
+                                                              [seqs[i] for i in sampling])))
+        tokens = [samples[i].token_id if i in samples else None for i in range(batch.rows)]
+        finishes = self.scheduler.postprocess(batch, tokens)
+        self.counters.generated_tokens += len(samples)
+        for i, sample in samples.items():
+            seq = seqs[i]
+            if self.outputs.token(seq, sample, finishes[i]):
+                self.scheduler.finish(seq, "stop")
+            self._forget_if_done(seq.request)

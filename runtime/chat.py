@@ -12,9 +12,14 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from .errors import InvalidRequestError
 
-class ChatTemplateError(ValueError):
+
+class ChatTemplateError(InvalidRequestError):
     """No template, or the template rejected the conversation."""
+
+    def __init__(self, message: str):
+        super().__init__(message, param="messages")
 
 
 def _raise(message: str):

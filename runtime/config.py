@@ -15,8 +15,12 @@ from pathlib import Path
 from typing import Any
 
 KILN_SIDECAR_SUFFIX = ".kiln.json"
+# Fields earlier Kiln exports wrote into their sidecar and nothing reads: still accepted.
+_FORMER_KILN_FIELDS = {"model_name", "architecture", "bos_token_id", "dtype", "hidden_size",
+                       "num_attention_heads", "kiln_version"}
 
-_NUMPY_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+# Element types of weights and of the KV cache an export may have.
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass
@@ -64,7 +68,7 @@ class ModelParams:
     @classmethod
     def from_json(cls, values: dict[str, Any]) -> "ModelParams":
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known - set(KilnParams.FIELD_NAMES))
+        unknown = sorted(set(values) - known - set(KilnParams.FIELD_NAMES) - _FORMER_KILN_FIELDS)
         if unknown:
             raise ValueError(f"unknown model config keys: {', '.join(unknown)}")
         values = {k: v for k, v in values.items() if k in known}
@@ -77,18 +81,11 @@ class ModelParams:
 
 @dataclass
 class KilnParams:
-    """What Kiln's export knows beyond shortfin's fields."""
+    """What Kiln's export knows beyond shortfin's fields (and the runtime reads)."""
 
     vocab_size: int = 0
-    model_name: str = ""
-    architecture: str = "llama"
-    bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    dtype: str = "float32"
     prefill_final_logits: bool = False  # prefill returns [N, 1, V] at each row's last token
-    hidden_size: int = 0
-    num_attention_heads: int = 0
-    kiln_version: str = ""
 
     FIELD_NAMES = ()  # filled below
 

@@ -16,10 +16,11 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from .program import Artifacts
+from .contract import Artifacts
 from .request import Completion
 from .sampling import SamplingParams
-from .service import GenerateService, ServiceConfig
+from .service import GenerateService
+from .service_config import ServiceConfig
 
 
 @dataclass
@@ -33,9 +34,9 @@ class GenerationResult:
 
 
 class LLM:
-    def __init__(self, artifacts: str | Path | Artifacts, vmfb_name: str = "model_cpu.vmfb", **service_options):
+    def __init__(self, artifacts: str | Path | Artifacts, target: str = "cpu", **service_options):
         if not isinstance(artifacts, Artifacts):
-            artifacts = Artifacts.in_directory(Path(artifacts), vmfb_name)
+            artifacts = Artifacts.in_directory(Path(artifacts), target)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kiln-llm", daemon=True)
         self._thread.start()

@@ -1,86 +1,56 @@
 """Load a compiled model (VMFB + IRPA parameters) on a HAL device and call its functions.
 
-This is the only place that talks to iree.runtime's module machinery. It knows
-the ABI's function names and nothing about requests or pages.
+This is the only place that talks to iree.runtime's module machinery. It finds the
+functions the contract names and nothing about requests or pages.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from iree import runtime as ireert
 
-from .config import KilnParams, ModelParams, load_model_config
-
-PARAMETER_SCOPE = "model"
-
-
-class ProgramLoadError(Exception):
-    """Artifacts that are missing, unreadable or do not match each other."""
-
-
-@dataclass
-class Artifacts:
-    vmfb: Path
-    params: Path
-    config: Path
-    tokenizer: Path | None = None
-
-    @classmethod
-    def in_directory(cls, directory: Path, vmfb_name: str = "model_cpu.vmfb") -> "Artifacts":
-        directory = Path(directory)
-        return cls(
-            vmfb=directory / vmfb_name,
-            params=directory / "model.irpa",
-            config=directory / "model.json",
-            tokenizer=directory / "tokenizer.json",
-        )
+from .config import KilnParams, load_model_config
+from .contract import PARAMETER_SCOPE, Artifacts, Capabilities, ContractError, parse_function_name
+from .errors import ModelLoadError
 
 
 class Program:
-    """The compiled functions of one model on one device, plus its config."""
+    """The compiled functions of one model on one device, its config and what it can do."""
 
     def __init__(self, artifacts: Artifacts, device: str = "local-task"):
         for label, path in (("VMFB", artifacts.vmfb), ("parameters", artifacts.params), ("config", artifacts.config)):
             if not Path(path).is_file():
-                raise ProgramLoadError(f"{label} file {path} does not exist")
+                raise ModelLoadError(f"{label} file {path} does not exist")
         try:
             self.params, kiln = load_model_config(artifacts.config)
         except (ValueError, TypeError, KeyError) as error:
-            raise ProgramLoadError(f"model config {artifacts.config} is invalid: {error}") from None
+            raise ModelLoadError(f"model config {artifacts.config} is invalid: {error}") from None
         self.kiln = kiln or KilnParams()
         try:
             self.device = ireert.get_device(device)
         except Exception as error:  # iree raises plain ValueError/RuntimeError with long texts
-            raise ProgramLoadError(f"cannot open device {device!r}: {str(error).splitlines()[0]}") from None
-        self.instance = ireert.VmInstance()
+            raise ModelLoadError(f"cannot open device {device!r}: {str(error).splitlines()[0]}") from None
+        instance = ireert.VmInstance()
         try:
             index = ireert.ParameterIndex()
             index.load(str(artifacts.params))
-            params_module = ireert.create_io_parameters_module(
-                self.instance, index.create_provider(scope=PARAMETER_SCOPE)
-            )
-            hal_module = ireert.create_hal_module(self.instance, self.device)
-            program_module = ireert.VmModule.mmap(self.instance, str(artifacts.vmfb))
-            self.context = ireert.VmContext(self.instance, modules=[hal_module, params_module, program_module])
+            params_module = ireert.create_io_parameters_module(instance, index.create_provider(scope=PARAMETER_SCOPE))
+            hal_module = ireert.create_hal_module(instance, self.device)
+            program_module = ireert.VmModule.mmap(instance, str(artifacts.vmfb))
+            context = ireert.VmContext(instance, modules=[hal_module, params_module, program_module])
         except Exception as error:
-            raise ProgramLoadError(f"cannot load {artifacts.vmfb} with {artifacts.params}: {str(error).splitlines()[0]}") from None
-        self.module = program_module
+            raise ModelLoadError(f"cannot load {artifacts.vmfb} with {artifacts.params}: {str(error).splitlines()[0]}") from None
         self.functions: dict[str, ireert.FunctionInvoker] = {}
-        for kind, sizes in (("prefill", self.params.prefill_batch_sizes), ("decode", self.params.decode_batch_sizes)):
-            for bs in sizes:
-                name = f"{kind}_bs{bs}"
+        for name in program_module.function_names:
+            if parse_function_name(name) is not None:
                 vm_function = program_module.lookup_function(name)
-                if vm_function is None:
-                    raise ProgramLoadError(f"{artifacts.vmfb} has no function {name} that the config lists")
-                self.functions[name] = ireert.FunctionInvoker(self.context, self.device, vm_function)
-        # Optional companions (Kiln exports): prefill returning only each row's last logits.
-        for bs in self.params.prefill_batch_sizes:
-            vm_function = program_module.lookup_function(f"prefill_last_bs{bs}")
-            if vm_function is not None:
-                self.functions[f"prefill_last_bs{bs}"] = ireert.FunctionInvoker(self.context, self.device, vm_function)
+                self.functions[name] = ireert.FunctionInvoker(context, self.device, vm_function)
+        try:
+            self.capabilities = Capabilities.of(self.params, self.kiln, self.functions)
+        except ContractError as error:
+            raise ModelLoadError(f"{artifacts.vmfb} does not fit {artifacts.config}: {error}") from None
 
     @property
     def cache_dtype(self) -> np.dtype:
@@ -96,8 +66,12 @@ class Program:
         host = np.zeros((pages, self.params.page_elems), dtype=self.cache_dtype)
         return ireert.asdevicearray(self.device, host)
 
+    def call(self, name: str, *args) -> np.ndarray:
+        """Call `name`; its one result as a live host view (valid until the next call)."""
+        return self.functions[name](*args).to_host()
+
     def invoke(self, name: str, *args) -> list[np.ndarray]:
-        """Call `name` and copy its results to host arrays (to_host is a live view)."""
+        """Call `name` and copy its results to host arrays."""
         results = self.functions[name](*args)
         if not isinstance(results, tuple):
             results = (results,)

@@ -1,9 +1,12 @@
 """A request and the sequences it generates, each carrying its own state.
 
 A `Request` is what a caller submits (prompt ids, sampling parameters, priority);
-it owns `n` `Sequence`s, one per completion. The scheduler moves sequences
-between waiting and running; the batcher appends tokens and emits `Event`s
-onto the request's queue, which the caller reads through GenerateService.
+it owns `n` `Sequence`s, one per completion. A sequence's state moves
+
+    WAITING -> PREFILL -> DECODE -> FINISHED      (preempted: back to WAITING)
+
+and only the scheduler moves it; the output processor turns its tokens into `Event`s
+on the request's queue, which the caller reads through GenerateService.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,13 +21,18 @@ import numpy as np
 from .kvcache.base import PageAllocation
 from .sampling import SamplingParams, make_generator
 
-_arrivals = itertools.count()
+_sequence_ids = itertools.count()
 
 
-class SequenceStatus(enum.Enum):
-    WAITING = "waiting"  # not holding pages
-    RUNNING = "running"  # holding pages: prefilling or decoding
-    FINISHED = "finished"
+class SequenceState(enum.Enum):
+    WAITING = "waiting"  # queued, holding no pages
+    PREFILL = "prefill"  # holding pages, its prompt (or, after preemption, its tokens) being written
+    DECODE = "decode"  # holding pages, one token per step
+    FINISHED = "finished"  # pages given back, its last event sent
+
+    @property
+    def holds_pages(self) -> bool:
+        return self in (SequenceState.PREFILL, SequenceState.DECODE)
 
 
 @dataclass
@@ -75,15 +82,18 @@ class Request:
     params: SamplingParams
     request_id: str
     priority: int = 0  # lower is served first, as in vLLM
-    arrival: float = field(default_factory=time.monotonic)
     events: asyncio.Queue = field(default_factory=asyncio.Queue, repr=False)
     sequences: list["Sequence"] = field(default_factory=list, repr=False)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first sequence)
-    first_token_time: float | None = None
 
     @property
     def finished(self) -> bool:
-        return all(s.status is SequenceStatus.FINISHED for s in self.sequences)
+        return all(s.state is SequenceState.FINISHED for s in self.sequences)
+
+    @property
+    def unfinished(self) -> int:
+        """Sequences still waiting or running."""
+        return sum(1 for s in self.sequences if s.state is not SequenceState.FINISHED)
 
 
 class Sequence:
@@ -92,31 +102,36 @@ class Sequence:
     def __init__(self, request: Request, index: int, leader: "Sequence | None" = None):
         self.request = request
         self.index = index
-        self.order = next(_arrivals)  # tie-breaker: earlier arrivals first
+        self.seq_id = next(_sequence_ids)  # also the tie-breaker: earlier arrivals first
         self.prompt_len = len(request.prompt_ids)
         self.tokens: list[int] = list(request.prompt_ids)
-        self.status = SequenceStatus.WAITING
+        self.state = SequenceState.WAITING
         self.allocation: PageAllocation | None = None
         self.computed = 0  # tokens whose K/V are in the cache
         # A sibling of an n > 1 request waits for its leader's prefill, then reuses its pages.
         self.leader = leader
-        seed = request.params.seed
-        self.rng: np.random.Generator = make_generator(seed, index)
-        self.logprobs: list[TokenLogprob] = []
-        # Prompt logprobs by position while the prompt is prefilled; None once sent (or never wanted).
-        wanted = index == 0 and request.params.prompt_logprobs is not None
-        self.prompt_logprobs: dict[int, TokenLogprob] | None = {} if wanted else None
+        self.rng: np.random.Generator = make_generator(request.params.seed, index)
         self.finish_reason: str | None = None
         self.preemptions = 0
         self.last_served = 0  # when it was last in a decode batch (the scheduler's counter)
-        # Filled in by the batcher: incremental detokenizer and stop-string checker.
-        self.detokenizer = None
-        self.stop_checker = None
 
     # -- where the sequence stands ------------------------------------------------------
     @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.prompt_ids
+
+    @property
     def output_ids(self) -> list[int]:
         return self.tokens[self.prompt_len :]
+
+    @property
+    def generated(self) -> int:
+        """Tokens sampled so far (len(output_ids) without the copy)."""
+        return len(self.tokens) - self.prompt_len
 
     @property
     def prefill_target(self) -> int:
@@ -126,33 +141,20 @@ class Sequence:
         preempted one recomputes everything but its last sampled token, which the next
         decode step then feeds.
         """
-        return len(self.tokens) - 1 if self.output_ids else len(self.tokens)
+        return len(self.tokens) - 1 if self.generated else len(self.tokens)
 
     @property
     def wants_prompt_logprobs(self) -> bool:
         """Its prefill must compute every prompt position (no prefix reuse) and keep their logits."""
-        return self.prompt_logprobs is not None
-
-    def take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
-        """The prompt's logprobs in order, once (after its prefill); None afterwards."""
-        found, self.prompt_logprobs = self.prompt_logprobs, None
-        if found is None:
-            return None
-        return [None] + [found.get(position) for position in range(1, self.prompt_len)]
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.computed < self.prefill_target
+        return self.index == 0 and self.request.params.prompt_logprobs is not None and not self.generated
 
     @property
     def priority_key(self) -> tuple:
-        return (self.request.priority, self.order)
+        return (self.request.priority, self.seq_id)
 
     def can_start(self) -> bool:
-        leader = self.leader
-        return leader is None or leader.status is SequenceStatus.FINISHED or (
-            leader.status is SequenceStatus.RUNNING and not leader.in_prefill
-        )
+        """A sibling starts once its leader's prompt is in the cache (or the leader is gone)."""
+        return self.leader is None or self.leader.state in (SequenceState.DECODE, SequenceState.FINISHED)
 
     def emit(self, event: Event) -> None:
         self.request.events.put_nowait(event)

@@ -12,6 +12,8 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+from .errors import InvalidRequestError
+
 MAX_LOGPROBS = 20
 # Below this temperature, sampling is greedy (as vLLM's _SAMPLING_EPS): dividing by it
 # would only turn the distribution into a one-hot one with worse numerics.
@@ -56,7 +58,7 @@ class SamplingParams:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise ValueError(f"unknown sampling parameters: {', '.join(unknown)}")
+            raise InvalidRequestError(f"unknown sampling parameters: {', '.join(unknown)}", param=unknown[0])
         return cls(**{k: v for k, v in kwargs.items() if v is not None})
 
     @property
@@ -70,53 +72,56 @@ class SamplingParams:
         )
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
-        """Raise ValueError naming the first nonsensical field; return self otherwise."""
+        """Raise InvalidRequestError naming the first nonsensical field; return self otherwise."""
         _integer("max_tokens", self.max_tokens, low=1)
         _number("temperature", self.temperature, low=0.0)
         _integer("top_k", self.top_k, low=-1)
         _number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
         _number("min_p", self.min_p, low=0.0, high=1.0)
         _number("repetition_penalty", self.repetition_penalty)
         if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                                      param="repetition_penalty")
         _number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         if self.seed is not None:
             _integer("seed", self.seed)
         _integer("n", self.n, low=1)
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {self.stop!r}", param="stop")
         if any(s == "" for s in self.stop):
-            raise ValueError("stop must not contain empty strings")
+            raise InvalidRequestError("stop must not contain empty strings", param="stop")
         for t in self.stop_token_ids:
             _integer("stop_token_ids", t, low=0, high=None if vocab_size is None else vocab_size - 1)
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}", param="ignore_eos")
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             _integer("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         _integer("min_tokens", self.min_tokens, low=0)
         if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+                                      param="min_tokens")
         if not isinstance(self.skip_special_tokens, bool):
-            raise ValueError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
+            raise InvalidRequestError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}",
+                                      param="skip_special_tokens")
         return self
 
 
 def _integer(name: str, value: Any, low: int | None = None, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}", param=name)
     _bounds(name, value, low, high)
 
 
 def _number(name: str, value: Any, low: float | None = None, high: float | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise InvalidRequestError(f"{name} must be a number, got {value!r}", param=name)
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
+        raise InvalidRequestError(f"{name} must be finite, got {value!r}", param=name)
     _bounds(name, value, low, high)
 
 
@@ -124,8 +129,9 @@ def _bounds(name: str, value: Any, low: Any, high: Any) -> None:
     if (low is None or value >= low) and (high is None or value <= high):
         return
     if low is not None and high is not None:
-        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
-    raise ValueError(f"{name} must be {'>= ' + str(low) if low is not None else '<= ' + str(high)}, got {value}")
+        raise InvalidRequestError(f"{name} must be in [{low}, {high}], got {value}", param=name)
+    bound = f">= {low}" if low is not None else f"<= {high}"
+    raise InvalidRequestError(f"{name} must be {bound}, got {value}", param=name)
 
 
 def make_generator(seed: int | None = None, index: int = 0) -> np.random.Generator:
@@ -147,7 +153,7 @@ class SampleResult:
 
 
 class SamplingRow(Protocol):
-    """What sample_rows needs from a sequence (the batcher's sequence type has these)."""
+    """What sample_rows needs from a sequence (runtime.request.Sequence has these)."""
 
     params: SamplingParams
     rng: np.random.Generator
@@ -236,22 +242,20 @@ class Sampler:
         logprob, top = compute_logprobs(logits, token, params.logprobs)
         return SampleResult(token, logprob, top)
 
-    def sample_rows(self, logits: np.ndarray, rows: Sequence[SamplingRow]) -> list[SampleResult]:
-        """One token per row of logits [N, V] (N >= len(rows); padded rows are ignored)."""
-        results: list[SampleResult | None] = [None] * len(rows)
-        plain = [i for i, r in enumerate(rows) if self._plain_greedy(r)]
-        if plain:
-            # One argmax over the plain greedy rows: the common case costs one numpy call.
-            for i, t in zip(plain, np.argmax(logits[plain], axis=-1).tolist()):
-                results[i] = SampleResult(t)
-        for i, r in enumerate(rows):
-            if results[i] is None:
-                results[i] = self.sample(logits[i], r.params, r.rng, r.output_ids, r.prompt_ids)
+    def sample_rows(self, logits: Sequence[np.ndarray], rows: Sequence[SamplingRow]) -> list[SampleResult]:
+        """One token for each row: logits[i], a float32 row [V], sampled for rows[i]."""
+        results = []
+        for x, row in zip(logits, rows):
+            if self._plain_greedy(row):  # the common case: one argmax, no copies
+                results.append(SampleResult(int(np.argmax(x))))
+            else:
+                results.append(self.sample(x, row.params, row.rng, row.output_ids, row.prompt_ids))
         return results
 
     def _plain_greedy(self, row: SamplingRow) -> bool:
         p = row.params
-        return p.greedy and p.logprobs is None and not p.has_penalties and not self._banned(p, len(row.output_ids))
+        return (p.greedy and p.logprobs is None and not p.has_penalties
+                and (p.min_tokens == 0 or not self._banned(p, len(row.output_ids))))
 
     def _banned(self, params: SamplingParams, generated: int) -> list[int]:
         if generated >= params.min_tokens:

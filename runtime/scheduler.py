@@ -1,83 +1,92 @@
-"""Decides what runs next: a prefill batch or a decode batch. Executes nothing.
+"""Decides what runs next and owns every change of a sequence's state. Executes nothing.
 
-Continuous batching: sequences join (admitted when pages allow) and leave
-(finished, aborted) between steps. Prefill and decode alternate while both have
-work, and long prompts are cut into chunks, so a new prompt waits at most one
-step and running sequences keep decoding while it is prefilled. When pages run
-out the youngest sequence is preempted: its pages go back (its full pages stay
-in the prefix cache) and it is recomputed when it is admitted again.
+Continuous batching: sequences join (admitted when pages allow) and leave (finished,
+aborted) between steps. Prefill and decode alternate while both have work, and long
+prompts are cut into chunks, so a new prompt waits at most one step and running
+sequences keep decoding while it is prefilled. When pages run out the youngest
+sequence is preempted: its pages go back (its full pages stay in the prefix cache)
+and it is recomputed when it is admitted again.
+
+After a step, `postprocess` applies what the step did (tokens written, a token
+sampled) and finishes the sequences that reached EOS or their length; text, and the
+stop strings found in it, are the output processor's.
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from .batch import Batch, Phase
 from .kvcache.base import BasePagedAttentionCache
-from .request import Sequence, SequenceStatus
+from .request import Sequence, SequenceState
 
 
-@dataclass
-class Batch:
-    kind: str  # "prefill" | "decode"
-    batch_size: int  # the exported function's N (rows past len(seqs) are padding)
-    seqs: list[Sequence]
-    starts: list[int]  # position of each row's first token
-    chunks: list[list[int]]  # the tokens each row feeds
-    # Rows whose logits are sampled: a prefill chunk that completes a fresh prompt, every decode row.
-    samples: list[bool] = field(default_factory=list)
-    # Prefill rows that need the logits at every position of their chunk (prompt logprobs).
-    full_logits: list[bool] = field(default_factory=list)
-
-
-@dataclass
+@dataclass(frozen=True)
 class SchedulerConfig:
-    prefill_batch_sizes: list[int]
-    decode_batch_sizes: list[int]
+    prefill_batch_sizes: tuple[int, ...]  # ascending, as exported
+    decode_batch_sizes: tuple[int, ...]
     block_seq_stride: int
     max_seq_len: int
-    chunk_tokens: int = 256  # longest prefill chunk per sequence (a multiple of the stride)
+    chunk_tokens: int  # longest prefill chunk per sequence
     # While sequences wait to decode, the most prompt tokens one prefill call takes (0: no
     # cap): a prefill call is the gap between two streamed tokens of every running request.
-    prefill_token_budget: int = 0
-    max_running: int = 32  # sequences holding pages at once
-    has_prefill_position: bool = True
+    prefill_token_budget: int
+    max_running: int  # sequences holding pages at once
+    has_prefill_position: bool  # without start positions a prompt is prefilled whole, in one call
+
+    @property
+    def chunk(self) -> int:
+        """The prefill chunk: whole pages, or whole prompts where prefill takes no start position."""
+        if not self.has_prefill_position:
+            return self.max_seq_len
+        return max(self.block_seq_stride, self.chunk_tokens // self.block_seq_stride * self.block_seq_stride)
+
+    @property
+    def budget(self) -> int:
+        """The prefill token budget while others decode; 0 (none) for whole-prompt exports."""
+        return self.prefill_token_budget if self.has_prefill_position else 0
 
 
-def smallest_fitting(sizes: list[int], count: int) -> int:
+@dataclass(frozen=True)
+class Finish:
+    """How a step ended a sequence: "stop" on an EOS or stop token (the token), or "length"."""
+
+    reason: str
+    stop_token: int | None = None
+
+
+def smallest_fitting(sizes: tuple[int, ...], count: int) -> int:
     return next(size for size in sizes if size >= count)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: BasePagedAttentionCache):
+    def __init__(self, config: SchedulerConfig, cache: BasePagedAttentionCache, eos_token_ids=()):
         self.config = config
         self.cache = cache
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.waiting: list[tuple[tuple, Sequence]] = []  # heap by priority, then arrival
-        self.running: list[Sequence] = []
-        self.last_kind = "decode"
+        self.running: list[Sequence] = []  # holding pages: PREFILL or DECODE
+        self._running_by_id: dict[int, Sequence] = {}
+        self.last_phase = Phase.DECODE
         self.preemptions = 0
         self._served = 0  # stamps decode service order, for round-robin
-        if not config.has_prefill_position:
-            # No start positions: whole prompts only, whatever the budget.
-            self.config.chunk_tokens = config.max_seq_len
-            self.config.prefill_token_budget = 0
 
     # -- membership -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.WAITING
+        seq.state = SequenceState.WAITING
         heapq.heappush(self.waiting, (seq.priority_key, seq))
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take a sequence out wherever it is and give its pages back (publishing them first)."""
-        if seq.status is SequenceStatus.FINISHED:
+        if seq.state is SequenceState.FINISHED:
             return
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-            self._release(seq)
+        if seq.state.holds_pages:
+            self._stop_running(seq)
         else:
             self.waiting = [(k, s) for k, s in self.waiting if s is not seq]
             heapq.heapify(self.waiting)
-        seq.status = SequenceStatus.FINISHED
+        seq.state = SequenceState.FINISHED
         seq.finish_reason = reason
 
     def has_work(self) -> bool:
@@ -87,12 +96,16 @@ class Scheduler:
     def waiting_count(self) -> int:
         return len(self.waiting)
 
+    def sequences_of(self, batch: Batch) -> list[Sequence | None]:
+        """Each row's sequence, or None where it finished (was aborted) since the batch was made."""
+        return [self._running_by_id.get(seq_id) for seq_id in batch.seq_ids]
+
     # -- the decision -----------------------------------------------------------------
     def schedule(self) -> Batch | None:
         self._admit()
-        prefilling = [s for s in self.running if s.in_prefill]
-        decoding = [s for s in self.running if not s.in_prefill]
-        if prefilling and (not decoding or self.last_kind == "decode"):
+        prefilling = [s for s in self.running if s.state is SequenceState.PREFILL]
+        decoding = [s for s in self.running if s.state is SequenceState.DECODE]
+        if prefilling and (not decoding or self.last_phase is Phase.DECODE):
             batch = self._prefill_batch(prefilling, budgeted=bool(decoding))
         elif decoding:
             batch = self._decode_batch(decoding)
@@ -101,15 +114,15 @@ class Scheduler:
         else:
             batch = None
         if batch is not None:
-            self.last_kind = batch.kind
+            self.last_phase = batch.phase
         return batch
 
     def _admit(self) -> None:
-        """Move waiting sequences to running, in priority order, while pages allow."""
+        """Move waiting sequences to PREFILL, in priority order, while pages allow."""
         max_prefill = self.config.prefill_batch_sizes[-1]
         deferred = []
         while self.waiting and len(self.running) < self.config.max_running:
-            if sum(1 for s in self.running if s.in_prefill) >= max_prefill:
+            if sum(1 for s in self.running if s.state is SequenceState.PREFILL) >= max_prefill:
                 break
             key, seq = heapq.heappop(self.waiting)
             if not seq.can_start():
@@ -128,8 +141,9 @@ class Scheduler:
             seq.computed = allocation.cached_tokens
             if seq.index == 0 and not seq.preemptions:
                 seq.request.cached_tokens = allocation.cached_tokens
-            seq.status = SequenceStatus.RUNNING
+            seq.state = SequenceState.PREFILL
             self.running.append(seq)
+            self._running_by_id[seq.seq_id] = seq
         for item in deferred:
             heapq.heappush(self.waiting, item)
 
@@ -140,22 +154,22 @@ class Scheduler:
         sizes = self.config.prefill_batch_sizes
         rows = max((size for size in sizes if size <= len(candidates)), default=sizes[0])
         candidates = sorted(candidates, key=lambda s: s.priority_key)[:rows]
-        chunk_tokens = self.config.chunk_tokens
-        if budgeted and self.config.prefill_token_budget:
+        chunk_tokens = self.config.chunk
+        if budgeted and self.config.budget:
             # Shorter chunks, whole pages each, so the call fits the budget.
             stride = self.config.block_seq_stride
-            share = self.config.prefill_token_budget // len(candidates) // stride * stride
+            share = self.config.budget // len(candidates) // stride * stride
             chunk_tokens = min(chunk_tokens, max(stride, share))
         starts, chunks, samples = [], [], []
         for seq in candidates:
             end = min(seq.prefill_target, seq.computed + chunk_tokens)
             starts.append(seq.computed)
-            chunks.append(seq.tokens[seq.computed : end])
+            chunks.append(tuple(seq.tokens[seq.computed : end]))
             # A preempted sequence already sampled its last token: nothing to sample here.
             samples.append(end == seq.prefill_target and end == len(seq.tokens))
-        size = smallest_fitting(self.config.prefill_batch_sizes, len(candidates))
-        full_logits = [seq.wants_prompt_logprobs for seq in candidates]
-        return Batch("prefill", size, candidates, starts, chunks, samples, full_logits)
+        full_logits = tuple(seq.wants_prompt_logprobs for seq in candidates)
+        return self._batch(Phase.PREFILL, smallest_fitting(sizes, len(candidates)), candidates, starts, chunks,
+                           samples, full_logits)
 
     def _decode_batch(self, candidates: list[Sequence]) -> Batch | None:
         # Least recently served first: more sequences than the largest batch take turns.
@@ -164,19 +178,55 @@ class Scheduler:
         for seq in candidates:
             if len(chosen) == self.config.decode_batch_sizes[-1]:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.state is not SequenceState.DECODE:
                 continue  # preempted to make room for an earlier one
             if self._ensure_pages(seq, exclude=chosen):
                 chosen.append(seq)
+        if not chosen:
+            return None
         for seq in chosen:
             self._served += 1
             seq.last_served = self._served
-        if not chosen:
-            return None
         size = smallest_fitting(self.config.decode_batch_sizes, len(chosen))
         starts = [len(s.tokens) - 1 for s in chosen]
-        chunks = [[s.tokens[-1]] for s in chosen]
-        return Batch("decode", size, chosen, starts, chunks, [True] * len(chosen))
+        chunks = [(s.tokens[-1],) for s in chosen]
+        return self._batch(Phase.DECODE, size, chosen, starts, chunks, [True] * len(chosen), (False,) * len(chosen))
+
+    @staticmethod
+    def _batch(phase, size, seqs, starts, chunks, samples, full_logits) -> Batch:
+        return Batch(phase, size, tuple(s.seq_id for s in seqs), tuple(starts), tuple(chunks),
+                     tuple(tuple(s.allocation.pages) for s in seqs), tuple(samples), tuple(full_logits))
+
+    # -- after a step -----------------------------------------------------------------
+    def postprocess(self, batch: Batch, tokens: list[int | None]) -> list[Finish | None]:
+        """Apply a step: K/V written, pages published, sampled tokens appended, sequences that
+        reached EOS, a stop token or their length finished (pages freed). One Finish per row."""
+        finishes: list[Finish | None] = []
+        for seq, chunk, token in zip(self.sequences_of(batch), batch.tokens, tokens):
+            if seq is None:  # aborted while the batch ran
+                finishes.append(None)
+                continue
+            seq.computed += len(chunk)
+            if batch.phase is Phase.PREFILL:
+                self.cache.publish_allocated_pages(seq.allocation, seq.tokens[: seq.computed])
+            if seq.state is SequenceState.PREFILL and seq.computed >= seq.prefill_target:
+                seq.state = SequenceState.DECODE
+            finish = None
+            if token is not None:
+                seq.tokens.append(token)
+                finish = self._finish_after(seq, token)
+                if finish is not None:
+                    self.finish(seq, finish.reason)
+            finishes.append(finish)
+        return finishes
+
+    def _finish_after(self, seq: Sequence, token: int) -> Finish | None:
+        params = seq.params
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return Finish("stop", token)
+        if seq.generated >= params.max_tokens or len(seq.tokens) >= self.config.max_seq_len:
+            return Finish("length")
+        return None
 
     # -- pages ------------------------------------------------------------------------
     def _ensure_pages(self, seq: Sequence, exclude: list[Sequence]) -> bool:
@@ -184,7 +234,7 @@ class Scheduler:
         while not self.cache.extend_allocation(seq.allocation, len(seq.tokens)):
             victim = max(
                 (s for s in self.running if s not in exclude),
-                key=lambda s: (s.request.priority, s.order),
+                key=lambda s: (s.request.priority, s.seq_id),
                 default=None,
             )
             if victim is None:
@@ -196,19 +246,16 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         """Give back seq's pages and queue it to be recomputed from its tokens."""
-        self.running.remove(seq)
-        self._release(seq)
+        self._stop_running(seq)
         seq.computed = 0
         seq.preemptions += 1
         self.preemptions += 1
         self.add(seq)
 
-    def _release(self, seq: Sequence) -> None:
+    def _stop_running(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        del self._running_by_id[seq.seq_id]
         if seq.allocation is not None:
             self.cache.publish_allocated_pages(seq.allocation, seq.tokens[: seq.computed])
             self.cache.free_cache_pages(seq.allocation)
             seq.allocation = None
-
-    def publish(self, seq: Sequence) -> None:
-        if seq.allocation is not None:
-            self.cache.publish_allocated_pages(seq.allocation, seq.tokens[: seq.computed])

@@ -13,21 +13,24 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from tokenizers import Tokenizer
 
 from .batcher import Batcher
+from .contract import TOKENIZER_CONFIG_FILE, Artifacts
+from .errors import InvalidRequestError, ModelLoadError, NotReadyError, QueueFullError
 from .executor import Executor
 from .kvcache.page_pool import PagePool
 from .kvcache.plain_cache import PlainPagedAttentionCache
 from .kvcache.trie_cache import TriePagedAttentionCache
-from .program import Artifacts, Program, ProgramLoadError
+from .output_processor import OutputProcessor
+from .program import Program
 from .request import Event, Request
-from .sampling import SamplingParams
+from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
+from .service_config import ServiceConfig
 
 log = logging.getLogger("kiln.service")
 
@@ -37,27 +40,6 @@ class ServiceState(enum.Enum):
     READY = "ready"
     DRAINING = "draining"
     STOPPED = "stopped"
-
-
-class InvalidRequestError(ValueError):
-    """The request itself is wrong (HTTP 400): too long, empty, bad ids or parameters."""
-
-
-class ServiceUnavailableError(RuntimeError):
-    """The service cannot take requests now (HTTP 503): loading, draining or queue full."""
-
-
-@dataclass
-class ServiceConfig:
-    artifacts: Artifacts
-    device: str = "local-task"
-    prefix_sharing: str = "trie"  # "trie" | "none"
-    page_count: int = 0  # 0: the export's device_block_count (or the memory budget)
-    memory_budget_bytes: int = 0  # size the cache from bytes instead of a page count
-    chunk_tokens: int = 256
-    prefill_token_budget: int = 512  # see SchedulerConfig; 0: no cap
-    max_running: int = 32
-    max_queue: int = 256  # requests waiting before submit answers "busy"
 
 
 @dataclass
@@ -77,9 +59,18 @@ class ServiceStats:
 
 
 class GenerateService:
-    def __init__(self, config: ServiceConfig):
+    def __init__(self, config: ServiceConfig, prepare: Callable[[], Artifacts] | None = None,
+                 program_factory: Callable[[Artifacts, str], Program] = Program):
+        """`prepare`, if given, runs first (off the event loop) and returns the artifacts to load:
+        a first-run build, during which the service is LOADING. `program_factory` loads them
+        (tests pass a stand-in that computes logits without a compiled model)."""
+        if config.artifacts is None and prepare is None:
+            raise ValueError("a ServiceConfig without artifacts needs a prepare callable")
         self.config = config
+        self._prepare = prepare
+        self._program_factory = program_factory
         self.state = ServiceState.LOADING
+        self.artifacts: Artifacts | None = config.artifacts  # what was loaded (or will be)
         self.program: Program | None = None
         self.tokenizer: Tokenizer | None = None
         self.tokenizer_config: dict = {}
@@ -89,23 +80,26 @@ class GenerateService:
 
     # -- lifecycle --------------------------------------------------------------------
     async def start(self) -> "GenerateService":
-        """Load everything (off the event loop), then start the batcher. LOADING → READY."""
+        """Load everything (off the event loop), then start the batcher. LOADING -> READY."""
         await asyncio.get_running_loop().run_in_executor(None, self._load)
         self.batcher.start()
         self.state = ServiceState.READY
         return self
 
     def _load(self) -> None:
-        config = self.config
+        if self._prepare is not None:
+            log.info("building the model's artifacts before loading them (first use)")
+            self.artifacts = self._prepare()
+        config, artifacts = self.config, self.artifacts
         started = time.monotonic()
-        program = Program(config.artifacts, device=config.device)
-        params = program.params
-        tokenizer_path = config.artifacts.tokenizer or Path(config.artifacts.config).with_name("tokenizer.json")
+        program = self._program_factory(artifacts, config.device)
+        params, abi = program.params, program.capabilities
+        tokenizer_path = artifacts.tokenizer_path
         try:
             self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
         except Exception as error:
-            raise ProgramLoadError(f"cannot read tokenizer {tokenizer_path}: {error}") from None
-        tokenizer_config_path = Path(tokenizer_path).with_name("tokenizer_config.json")
+            raise ModelLoadError(f"cannot read tokenizer {tokenizer_path}: {error}") from None
+        tokenizer_config_path = tokenizer_path.with_name(TOKENIZER_CONFIG_FILE)
         if tokenizer_config_path.exists():
             self.tokenizer_config = json.loads(tokenizer_config_path.read_text())
         self.vocab_size = program.kiln.vocab_size or self.tokenizer.get_vocab_size()
@@ -116,32 +110,35 @@ class GenerateService:
         if config.memory_budget_bytes:
             page_count = config.memory_budget_bytes // page_bytes
         if page_count < 2:
-            raise ProgramLoadError(f"the KV cache needs at least 2 pages of {page_bytes} bytes")
+            raise ModelLoadError(f"the KV cache needs at least 2 pages of {page_bytes} bytes")
         pool = PagePool(page_count, program.allocate_cache)
-        cache_class = TriePagedAttentionCache if config.prefix_sharing == "trie" else PlainPagedAttentionCache
-        if not params.has_prefill_position:
-            cache_class = PlainPagedAttentionCache  # without start positions a prefix cannot be skipped
-        cache = cache_class(pool, params.block_seq_stride)
-        chunk = max(params.block_seq_stride, config.chunk_tokens // params.block_seq_stride * params.block_seq_stride)
+        prefix_sharing = config.prefix_sharing
+        if prefix_sharing == "trie" and not abi.has_prefill_position:
+            log.warning("prefix sharing is off: this export's prefill takes no start position, "
+                        "so a cached prefix cannot be skipped")
+            prefix_sharing = "none"
+        cache_class = TriePagedAttentionCache if prefix_sharing == "trie" else PlainPagedAttentionCache
+        cache = cache_class(pool, abi.block_seq_stride)
         scheduler = Scheduler(
             SchedulerConfig(
-                prefill_batch_sizes=sorted(params.prefill_batch_sizes),
-                decode_batch_sizes=sorted(params.decode_batch_sizes),
-                block_seq_stride=params.block_seq_stride,
-                max_seq_len=params.max_seq_len,
-                chunk_tokens=chunk,
+                prefill_batch_sizes=abi.prefill_batch_sizes,
+                decode_batch_sizes=abi.decode_batch_sizes,
+                block_seq_stride=abi.block_seq_stride,
+                max_seq_len=abi.max_seq_len,
+                chunk_tokens=config.chunk_tokens,
                 prefill_token_budget=config.prefill_token_budget,
                 max_running=config.max_running,
-                has_prefill_position=params.has_prefill_position,
+                has_prefill_position=abi.has_prefill_position,
             ),
             cache,
+            self.eos_token_ids,
         )
         executor = Executor(program, pool.buffer, page_count, self.vocab_size)
         self.program, self.cache, self.pool = program, cache, pool
-        self.batcher = Batcher(scheduler, executor, self.tokenizer, self.eos_token_ids, params.max_seq_len)
+        self.batcher = Batcher(scheduler, executor, OutputProcessor(self.tokenizer), Sampler(self.eos_token_ids))
         log.info(
             "loaded %s: %d KV pages of %d tokens (%.0f MiB) in %.1fs",
-            config.artifacts.vmfb, page_count, params.block_seq_stride,
+            artifacts.vmfb, page_count, abi.block_seq_stride,
             page_count * page_bytes / 2**20, time.monotonic() - started,
         )
 
@@ -169,7 +166,12 @@ class GenerateService:
         self.batcher.executor.close()
         self.state = ServiceState.STOPPED
 
-    # -- requests ---------------------------------------------------------------------
+    # -- what callers may ask -----------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet finished."""
+        return len(self.batcher.requests) if self.batcher is not None else 0
+
     @property
     def max_seq_len(self) -> int:
         return self.program.params.max_seq_len
@@ -179,36 +181,44 @@ class GenerateService:
         """The most tokens (prompt + output) one sequence can hold: the context, or the whole cache if smaller."""
         return min(self.max_seq_len, self.pool.total * self.cache.block_seq_stride)
 
+    def check_ready(self) -> None:
+        """NotReadyError unless the service takes requests now."""
+        if self.state is ServiceState.READY:
+            return
+        if self.state is ServiceState.LOADING:
+            raise NotReadyError("the model is still loading: retry shortly", retry_after=5)
+        raise NotReadyError(f"the service is {self.state.value}, not ready", retry_after=1)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    # -- requests ---------------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError for anything the device must never see."""
         if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty", param="prompt")
         bad = [t for t in prompt_ids if not isinstance(t, int) or t < 0 or t >= self.vocab_size]
         if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
-        try:
-            params.validate(self.vocab_size)
-        except ValueError as error:
-            raise InvalidRequestError(str(error)) from None
-        if params.prompt_logprobs is not None and self.program.kiln.prefill_final_logits:
-            raise InvalidRequestError("prompt logprobs need every position's logits: this export's prefill returns the last")
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                                      param="prompt")
+        params.validate(self.vocab_size)
+        if params.prompt_logprobs is not None and not self.program.capabilities.every_position_logits:
+            raise InvalidRequestError("prompt logprobs need every position's logits: this export's prefill "
+                                      "returns the last", param="prompt_logprobs")
         total = len(prompt_ids) + params.max_tokens
         if len(prompt_ids) >= self.max_seq_len or total > self.max_seq_len:
             raise InvalidRequestError(
                 f"this model's maximum context length is {self.max_seq_len} tokens, but {len(prompt_ids)} prompt "
-                f"tokens + {params.max_tokens} max_tokens were requested"
+                f"tokens + {params.max_tokens} max_tokens were requested", param="max_tokens",
             )
         pages = self.cache.pages_for(total)
         if pages > self.pool.total:
             raise InvalidRequestError(
                 f"the request needs {pages} KV-cache pages and the cache has {self.pool.total}: "
-                "lower max_tokens or start the server with a larger cache"
+                "lower max_tokens or start the server with a larger cache", param="max_tokens",
             )
 
     async def generate(
@@ -224,13 +234,10 @@ class GenerateService:
             yield event
 
     def submit(self, prompt_ids, params: SamplingParams, request_id=None, priority: int = 0) -> Request:
-        if self.state is not ServiceState.READY:
-            raise ServiceUnavailableError(f"the service is {self.state.value}, not ready")
+        self.check_ready()
         self.check_request(prompt_ids, params)
         if self.batcher.scheduler.waiting_count >= self.config.max_queue:
-            raise ServiceUnavailableError(
-                f"the queue is full ({self.config.max_queue} requests waiting): retry later"
-            )
+            raise QueueFullError(f"the queue is full ({self.config.max_queue} requests waiting): retry later")
         request = Request(list(prompt_ids), params, request_id or uuid.uuid4().hex, priority=priority)
         try:
             self.batcher.submit(request)

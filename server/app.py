@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from pathlib import Path
 from contextlib import asynccontextmanager
 from typing import Callable
 
@@ -32,13 +31,8 @@ log = logging.getLogger("kiln.server")
 
 
 def create_app(service: GenerateService, settings: ServerSettings,
-               on_fatal: Callable[[], None] | None = None,
-               prepare: Callable[[], object] | None = None) -> FastAPI:
-    """`on_fatal` is called when the model cannot be loaded (the runner then exits non-zero).
-
-    `prepare`, if given, runs first (on a worker thread) and returns the artifacts to load:
-    a first-run build, during which the server already answers 503 "loading".
-    """
+               on_fatal: Callable[[], None] | None = None) -> FastAPI:
+    """`on_fatal` is called when the model cannot be loaded (the runner then exits non-zero)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -52,11 +46,6 @@ def create_app(service: GenerateService, settings: ServerSettings,
 
     async def load(app: FastAPI) -> None:
         try:
-            if prepare is not None:
-                log.info("building the model's artifacts before loading them (first use)")
-                artifacts = await asyncio.get_running_loop().run_in_executor(None, prepare)
-                service.config.artifacts = artifacts
-                settings.model_root = str(Path(artifacts.config).resolve().parent)
             await service.start()
         except Exception as error:
             log.error("could not load the model: %s", error)
@@ -65,7 +54,7 @@ def create_app(service: GenerateService, settings: ServerSettings,
             if on_fatal is not None:
                 on_fatal()
             return
-        app.state.token_text = TokenText(service.tokenizer)
+        app.state.token_text = TokenText(lambda ids: service.decode(ids, skip_special_tokens=False))
         log.info("ready: serving %s on http://%s:%d", settings.model_name, settings.host, settings.port)
 
     app = FastAPI(title="Kiln", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -115,10 +104,6 @@ def begin_drain(app: FastAPI) -> asyncio.Task:
     """Stop taking requests and let running ones finish within the grace period (once)."""
     if app.state.drain_task is None:
         service, grace = app.state.service, app.state.settings.grace_seconds
-        log.info("draining: %d request(s) in flight, up to %.0fs to finish", _in_flight(service), grace)
+        log.info("draining: %d request(s) in flight, up to %.0fs to finish", service.in_flight, grace)
         app.state.drain_task = asyncio.get_running_loop().create_task(service.stop(grace))
     return app.state.drain_task
-
-
-def _in_flight(service: GenerateService) -> int:
-    return len(service.batcher.requests) if service.batcher is not None else 0

@@ -1,28 +1,25 @@
 """Errors as clients expect them: OpenAI's JSON on /v1 (and elsewhere), shortfin's on /generate.
 
-Routes raise `APIError`; runtime exceptions, validation failures and unknown routes are
-mapped here too, so a client's mistake is always a 4xx with a message, never a 500.
+Every error Kiln raises is a `KilnError` whose type carries its HTTP status, OpenAI
+`type` and `code`, and the field at fault; this module only formats them. Validation
+failures and unknown routes are mapped here too, so a client's mistake is always a 4xx
+with a message, never a 500.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import fields
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kiln.runtime.chat import ChatTemplateError
-from kiln.runtime.sampling import SamplingParams
-from kiln.runtime.service import InvalidRequestError, ServiceUnavailableError
+from kiln.runtime.errors import GenerationError, InvalidRequestError, KilnError, NotReadyError
 
 log = logging.getLogger("kiln.server")
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
-# SamplingParams' messages start with the field's name: the error's `param`.
-_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 
 # OpenAI's error types by status.
 _TYPES = {
@@ -50,61 +47,45 @@ _SHORTFIN_CODES = {
 }
 
 
-class APIError(Exception):
+class APIError(KilnError):
+    """An error of the HTTP layer itself (authentication, limits, routes), with its status."""
+
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
                  headers: dict[str, str] | None = None):
-        super().__init__(message)
+        super().__init__(message, param=param)
         self.status = status
-        self.message = message
+        self.type = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
         self.code = code
-        self.param = param
         self.headers = headers or {}
 
 
-def invalid_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, code="invalid_request", param=param)
+def error_headers(error: KilnError) -> dict[str, str]:
+    headers = dict(getattr(error, "headers", {}))
+    if error.retry_after is not None:
+        headers["Retry-After"] = str(error.retry_after)
+    return headers
 
 
-def model_not_found(name: str, known: list[str]) -> APIError:
-    return APIError(404, f"the model {name!r} does not exist: this server serves {', '.join(map(repr, known))}",
-                    code="model_not_found", param="model")
-
-
-def unavailable(message: str, code: str, retry_after: int = 1) -> APIError:
-    return APIError(503, message, code=code, headers={"Retry-After": str(retry_after)})
-
-
-def server_error(message: str) -> APIError:
-    return APIError(500, message, code="server_error")
-
-
-def error_body(path: str, status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
-    """The JSON body for an error on `path`."""
+def error_body(path: str, error: KilnError) -> dict:
+    """The JSON body for `error` on `path`."""
     if path.rstrip("/") == "/generate":
-        shortfin_code = _SHORTFIN_CODES.get(code or "", "INVALID_REQUEST_ARGS" if status < 500 else "INTERNAL_ERROR")
-        return {"error": message, "code": shortfin_code}
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error" if status < 500
-                                                            else "server_error"), "param": param, "code": code}}
+        shortfin_code = _SHORTFIN_CODES.get(error.code or "", "INVALID_REQUEST_ARGS" if error.status < 500
+                                            else "INTERNAL_ERROR")
+        return {"error": error.message, "code": shortfin_code}
+    return {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
 
 
-def error_response(path: str, error: APIError) -> JSONResponse:
-    return JSONResponse(error_body(path, error.status, error.message, error.code, error.param),
-                        status_code=error.status, headers=error.headers)
+def error_response(path: str, error: KilnError) -> JSONResponse:
+    return JSONResponse(error_body(path, error), status_code=error.status, headers=error_headers(error))
 
 
-def from_runtime(error: Exception) -> APIError:
-    """A runtime exception raised while checking or submitting a request, as an APIError."""
-    if isinstance(error, APIError):
-        return error
-    if isinstance(error, (InvalidRequestError, ChatTemplateError)):
-        message = str(error)
-        first = message.split(" ", 1)[0]
-        return invalid_request(message, param=first if first in _SAMPLING_FIELDS else None)
-    if isinstance(error, ServiceUnavailableError):
-        message = str(error)
-        code = "queue_full" if "queue is full" in message else "not_ready"
-        return unavailable(message, code, retry_after=1 if code == "queue_full" else 5)
-    raise error
+def failure_of(outcome) -> KilnError | None:
+    """The error a client sees for a sequence (a Completion or an Event) that failed or was aborted."""
+    if outcome.finish_reason == "error":
+        return GenerationError(f"generation failed: {outcome.error}")
+    if outcome.finish_reason == "abort":
+        return NotReadyError("the server is shutting down: the request was aborted", retry_after=1)
+    return None
 
 
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
@@ -126,16 +107,17 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, error: APIError):
+    @app.exception_handler(KilnError)
+    async def kiln_error(request: Request, error: KilnError):
         return error_response(request.url.path, error)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError):
         message, param = _validation_message(error)
         # FastAPI's 422 on shortfin's route (what shortfin answers), OpenAI's 400 elsewhere.
-        status = 422 if request.url.path.rstrip("/") == "/generate" else 400
-        return error_response(request.url.path, APIError(status, message, code="invalid_request", param=param))
+        if request.url.path.rstrip("/") == "/generate":
+            return error_response(request.url.path, APIError(422, message, code="invalid_request", param=param))
+        return error_response(request.url.path, InvalidRequestError(message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):
@@ -146,13 +128,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(request.url.path, APIError(error.status_code, message, code=code,
                                                          headers=getattr(error, "headers", None)))
 
-    @app.exception_handler(InvalidRequestError)
-    @app.exception_handler(ChatTemplateError)
-    @app.exception_handler(ServiceUnavailableError)
-    async def runtime_error(request: Request, error: Exception):
-        return error_response(request.url.path, from_runtime(error))
-
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception):
         log.exception("unexpected error on %s %s", request.method, request.url.path)
-        return error_response(request.url.path, server_error(f"internal error: {type(error).__name__}"))
+        return error_response(request.url.path, GenerationError(f"internal error: {type(error).__name__}"))

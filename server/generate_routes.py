@@ -15,8 +15,10 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from .errors import error_body, invalid_request
-from .generation import Generation, failure_of, require_ready
+from kiln.runtime.errors import InvalidRequestError
+
+from .errors import error_body, failure_of
+from .generation import Generation, admit, check_n
 from .params import shortfin_params
 from .prompts import encode
 from .protocol import GenerateRequest
@@ -28,7 +30,7 @@ router = APIRouter()
 def prompts_of(service, body: GenerateRequest) -> tuple[list[list[int]], list[str], bool]:
     """(token ids, text, whether the request is a single prompt)."""
     if (body.text is None) == (body.input_ids is None):
-        raise invalid_request("Either text or input_ids should be provided.")
+        raise InvalidRequestError("Either text or input_ids should be provided.")
     if body.text is not None:
         single = isinstance(body.text, str)
         texts = [body.text] if single else list(body.text)
@@ -43,7 +45,7 @@ def request_ids(body: GenerateRequest, count: int, single: bool) -> list[str]:
         return [uuid.uuid4().hex for _ in range(count)]
     rids = [body.rid] if isinstance(body.rid, str) and single else body.rid
     if not isinstance(rids, list) or len(rids) != count:
-        raise invalid_request(f"The rid should be a list of {count} ids, one per prompt.", param="rid")
+        raise InvalidRequestError(f"The rid should be a list of {count} ids, one per prompt.", param="rid")
     return rids
 
 
@@ -51,21 +53,19 @@ def request_ids(body: GenerateRequest, count: int, single: bool) -> list[str]:
 async def generate(body: GenerateRequest, request: Request):
     state = request.app.state
     service, settings = state.service, state.settings
-    require_ready(service)
+    admit(service, settings, None)
     prompts, texts, single = prompts_of(service, body)
     if not prompts or len(prompts) > settings.max_prompts:
-        raise invalid_request(f"give between 1 and {settings.max_prompts} prompts, got {len(prompts)}")
+        raise InvalidRequestError(f"give between 1 and {settings.max_prompts} prompts, got {len(prompts)}")
     sampling = body.sampling_params
     if isinstance(sampling, list):
         if len(sampling) != len(prompts):
-            raise invalid_request(f"sampling_params has {len(sampling)} entries for {len(prompts)} prompts",
+            raise InvalidRequestError(f"sampling_params has {len(sampling)} entries for {len(prompts)} prompts",
                                   param="sampling_params")
     else:
         sampling = [sampling] * len(prompts)
     params = [shortfin_params(sp) for sp in sampling]
-    for p in params:
-        if not 1 <= p.n <= settings.max_n:
-            raise invalid_request(f"n must be in [1, {settings.max_n}], got {p.n}", param="n")
+    check_n(settings, [p.n for p in params])
     rids = request_ids(body, len(prompts), single)
     generation = Generation(service, state.metrics, prompts, params, rids).submit()
     if body.stream:
@@ -89,7 +89,7 @@ async def stream_generate(generation: Generation, rids: list[str], path: str) ->
     try:
         async for i, event in events:
             if (error := failure_of(event)) is not None:
-                yield sse({**error_body(path, error.status, error.message, error.code), "rid": rids[i]})
+                yield sse({**error_body(path, error), "rid": rids[i]})
                 break
             yield sse({"rid": rids[i], "prompt_index": i, "index": event.index, "text": event.text,
                        "token_ids": event.token_ids, "finish_reason": event.finish_reason})

@@ -1,9 +1,10 @@
-"""One HTTP request's prompts in flight: submitted together, their events merged, aborted together.
+"""One API request's prompts in flight: admitted, submitted together, their events merged, aborted together.
 
 Routes (OpenAI, shortfin, WebSocket) differ in how they format results, not in how they
-run them; this is the part they share. It also times each sequence's tokens for the
-latency histograms. Leaving `events()` early, for whatever reason (a client gone, a
-cancelled task), aborts every prompt still running, so their pages return at once.
+run them; this is the part they share, the checks every route makes first included. It
+also times each sequence's tokens for the latency histograms. Leaving `events()` early,
+for whatever reason (a client gone, a cancelled task), aborts every prompt still
+running, so their pages return at once.
 """
 
 from __future__ import annotations
@@ -14,29 +15,33 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from kiln.runtime.errors import InvalidRequestError, ModelNotFoundError
 from kiln.runtime.request import Completion, Event, Request, TokenLogprob
 from kiln.runtime.sampling import SamplingParams
-from kiln.runtime.service import GenerateService, ServiceState
+from kiln.runtime.service import GenerateService
 
-from .errors import APIError, from_runtime, invalid_request, server_error, unavailable
 from .metrics import Metrics
+from .settings import ServerSettings
 
 
-def require_ready(service: GenerateService) -> None:
-    """503 until the model is loaded, and once the server drains."""
-    if service.state is not ServiceState.READY:
-        state = service.state.value
-        message = "the model is still loading: retry shortly" if state == "loading" else f"the server is {state}"
-        raise unavailable(message, "not_ready", retry_after=5 if state == "loading" else 1)
+def admit(service: GenerateService, settings: ServerSettings, model: str | None, n_values=(1,)) -> None:
+    """What every generation route checks first: the model's name, that the service is ready, n."""
+    if not settings.knows_model(model):
+        known = ", ".join(map(repr, settings.served_model_names))
+        raise ModelNotFoundError(f"the model {model!r} does not exist: this server serves {known}", param="model")
+    service.check_ready()
+    check_n(settings, n_values)
 
 
-def failure_of(outcome) -> APIError | None:
-    """The error a client sees for a sequence (Choice or Event) that failed or was aborted."""
-    if outcome.finish_reason == "error":
-        return server_error(f"generation failed: {outcome.error}")
-    if outcome.finish_reason == "abort":
-        return unavailable("the server is shutting down: the request was aborted", "not_ready")
-    return None
+def check_n(settings: ServerSettings, n_values) -> None:
+    for n in n_values:
+        if not 1 <= n <= settings.max_n:
+            raise InvalidRequestError(f"n must be in [1, {settings.max_n}], got {n}", param="n")
+
+
+def rest_of_context(service: GenerateService, prompt: list[int]) -> int:
+    """The default max_tokens where a route has none of its own: what is left of the context."""
+    return max(1, service.context_capacity - len(prompt))
 
 
 # One sequence's accumulated output.
@@ -90,11 +95,10 @@ class Generation:
             for index, (ids, params, request_id) in enumerate(zip(self.prompts, self.params, self.request_ids)):
                 try:
                     self.requests.append(self.service.submit(ids, params, request_id, self.priority))
-                except Exception as error:
-                    api_error = from_runtime(error)
-                    if many and api_error.status == 400:
-                        api_error = invalid_request(f"prompt {index}: {api_error.message}", api_error.param)
-                    raise api_error from None
+                except InvalidRequestError as error:
+                    if many:
+                        raise InvalidRequestError(f"prompt {index}: {error.message}", param=error.param) from None
+                    raise
         except BaseException:
             self.abort()
             raise
@@ -159,8 +163,7 @@ class Generation:
             if not request.finished and request.request_id not in self._aborted:
                 self._aborted.add(request.request_id)
                 if self.metrics is not None:  # their "abort" events will not be read: count them here
-                    running = sum(1 for seq in request.sequences if seq.finish_reason is None)
-                    self.metrics.finished.labels("abort").inc(running)
+                    self.metrics.finished.labels("abort").inc(request.unfinished)
                 self.service.abort(request.request_id)
 
     def _observe(self, index: int, event: Event) -> None:

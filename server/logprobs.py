@@ -13,12 +13,10 @@ from kiln.runtime.request import TokenLogprob
 
 
 class TokenText:
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.text = lru_cache(maxsize=65536)(self._decode)
+    """Each token's own text, decoded once (`decode` turns ids into text, special tokens kept)."""
 
-    def _decode(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+    def __init__(self, decode):
+        self.text = lru_cache(maxsize=65536)(lambda token_id: decode([token_id]))
 
 
 def completion_logprobs(token_text: TokenText, token_ids: list[int], entries: list[TokenLogprob | None],

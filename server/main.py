@@ -16,7 +16,8 @@ import threading
 
 import uvicorn
 
-from kiln.runtime.service import GenerateService, ServiceConfig
+from kiln.runtime.service import GenerateService
+from kiln.runtime.service_config import ServiceConfig
 
 from .app import begin_drain, create_app
 from .settings import ServerSettings
@@ -63,14 +64,14 @@ def configure_logging(level: str = "info") -> None:
 def serve(service_config: ServiceConfig, settings: ServerSettings, log_level: str = "info", prepare=None) -> int:
     """Serve until a signal (or a failed load); returns the process exit code."""
     configure_logging(log_level)
-    service = GenerateService(service_config)
+    service = GenerateService(service_config, prepare=prepare)
     server: KilnServer | None = None
 
     def fatal() -> None:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(service, settings, on_fatal=fatal, prepare=prepare)
+    app = create_app(service, settings, on_fatal=fatal)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=log_level, access_log=False,
         log_config=None,  # our logging.basicConfig, one format for uvicorn's lines and ours

@@ -13,10 +13,11 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.service import GenerateService, ServiceState
 
-from .errors import error_body, invalid_request, model_not_found
-from .generation import Choice, Generation, failure_of, require_ready
+from .errors import error_body, failure_of
+from .generation import Choice, Generation, admit, rest_of_context
 from .logprobs import TokenText, chat_logprobs, completion_logprobs, join_completion_logprobs
 from .params import check_logprobs, openai_params
 from .prompts import chat_ids, encode
@@ -30,13 +31,8 @@ router = APIRouter()
 def prepare(request: Request, body: OpenAISampling):
     """The app's parts, after the checks every generation route makes first."""
     state = request.app.state
-    settings, service = state.settings, state.service
-    if not settings.knows_model(body.model):
-        raise model_not_found(body.model, settings.served_model_names)
-    require_ready(service)
-    if not 1 <= body.n <= settings.max_n:
-        raise invalid_request(f"n must be in [1, {settings.max_n}], got {body.n}", param="n")
-    return state, service, settings
+    admit(state.service, state.settings, body.model, [body.n])
+    return state, state.service, state.settings
 
 
 def include_usage(body: OpenAISampling) -> bool:
@@ -51,7 +47,7 @@ async def list_models(request: Request):
     max_len = service.max_seq_len if service.state is ServiceState.READY else None
     return {"object": "list", "data": [
         {"id": name, "object": "model", "created": state.started_at, "owned_by": "kiln",
-         "root": settings.model_root, "max_model_len": max_len}
+         "root": settings.model_name, "max_model_len": max_len}
         for name in settings.served_model_names
     ]}
 
@@ -68,12 +64,12 @@ def completion_prompts(service: GenerateService, body: CompletionRequest, limit:
         return [list(prompt)], [service.decode(list(prompt), skip_special_tokens=False)]
     elif prompt and all(isinstance(p, list) for p in prompt):
         if len(prompt) > limit:
-            raise invalid_request(f"at most {limit} prompts per request, got {len(prompt)}", param="prompt")
+            raise InvalidRequestError(f"at most {limit} prompts per request, got {len(prompt)}", param="prompt")
         return [list(p) for p in prompt], [service.decode(list(p), skip_special_tokens=False) for p in prompt]
     else:
-        raise invalid_request("prompt must be a string, a list of strings or token ids, and not empty", param="prompt")
+        raise InvalidRequestError("prompt must be a string, a list of strings or token ids, and not empty", param="prompt")
     if len(texts) > limit:
-        raise invalid_request(f"at most {limit} prompts per request, got {len(texts)}", param="prompt")
+        raise InvalidRequestError(f"at most {limit} prompts per request, got {len(texts)}", param="prompt")
     return [encode(service, t, add_special_tokens=body.add_special_tokens) for t in texts], texts
 
 
@@ -81,9 +77,9 @@ def completion_prompts(service: GenerateService, body: CompletionRequest, limit:
 async def completions(body: CompletionRequest, request: Request):
     state, service, settings = prepare(request, body)
     if body.suffix:
-        raise invalid_request("suffix is not supported", param="suffix")
+        raise InvalidRequestError("suffix is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
-        raise invalid_request("best_of is not supported (other than equal to n)", param="best_of")
+        raise InvalidRequestError("best_of is not supported (other than equal to n)", param="best_of")
     logprobs = check_logprobs(body.logprobs, "logprobs")
     prompts, texts = completion_prompts(service, body, settings.max_prompts)
     # echo with max_tokens 0 (what older lm-eval sends for loglikelihood): the prompt alone,
@@ -151,7 +147,7 @@ class CompletionView:
         try:
             async for i, event in events:
                 if (error := failure_of(event)) is not None:
-                    yield sse(error_body(path, error.status, error.message, error.code))
+                    yield sse(error_body(path, error))
                     break
                 if event.prompt_logprobs is not None:
                     prompt_logprobs[i] = event.prompt_logprobs
@@ -186,9 +182,9 @@ class CompletionView:
 # -- /v1/chat/completions -------------------------------------------------------------------
 def chat_prompt(service: GenerateService, body: ChatCompletionRequest, template: str | None) -> list[int]:
     if body.tools or body.functions:
-        raise invalid_request("tools and function calling are not supported", param="tools")
+        raise InvalidRequestError("tools and function calling are not supported", param="tools")
     if body.response_format is not None and body.response_format.type != "text":
-        raise invalid_request(f"response_format {body.response_format.type!r} is not supported: only text",
+        raise InvalidRequestError(f"response_format {body.response_format.type!r} is not supported: only text",
                               param="response_format")
     return chat_ids(service, body.messages, template, body.add_special_tokens, body.add_generation_prompt,
                     body.chat_template_kwargs)
@@ -198,12 +194,12 @@ def chat_prompt(service: GenerateService, body: ChatCompletionRequest, template:
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     state, service, settings = prepare(request, body)
     if body.top_logprobs is not None and not body.logprobs:
-        raise invalid_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+        raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
     logprobs = check_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
     prompt = chat_prompt(service, body, settings.chat_template)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    if max_tokens is None:  # the rest of the context
-        max_tokens = max(1, service.context_capacity - len(prompt))
+    if max_tokens is None:
+        max_tokens = rest_of_context(service, prompt)
     params = openai_params(body, max_tokens, logprobs)
     chat_id = f"chatcmpl-{uuid.uuid4().hex}"
     generation = Generation(service, state.metrics, [prompt], [params], [chat_id], body.priority).submit()
@@ -240,7 +236,7 @@ async def stream_chat(generation: Generation, body: ChatCompletionRequest, heade
     try:
         async for _, event in events:
             if (error := failure_of(event)) is not None:
-                yield sse(error_body(path, error.status, error.message, error.code))
+                yield sse(error_body(path, error))
                 break
             scored = chat_logprobs(token_text, event.logprobs) if logprobs is not None and event.logprobs else None
             if not event.text and scored is None and not event.finish_reason:

@@ -7,9 +7,9 @@ shapes sampling). Range checks are SamplingParams.validate's, through check_requ
 
 from __future__ import annotations
 
+from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.sampling import MAX_LOGPROBS, SamplingParams
 
-from .errors import invalid_request
 from .protocol import OpenAISampling, ShortfinSamplingParams
 
 SHORTFIN_MAX_COMPLETION_TOKENS = 50
@@ -18,7 +18,7 @@ SHORTFIN_MAX_COMPLETION_TOKENS = 50
 def openai_params(body: OpenAISampling, max_tokens: int, logprobs: int | None = None,
                   prompt_logprobs: int | None = None) -> SamplingParams:
     if body.logit_bias:
-        raise invalid_request("logit_bias is not supported", param="logit_bias")
+        raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
     return SamplingParams.from_kwargs(
         max_tokens=max_tokens,
         temperature=body.temperature,
@@ -42,13 +42,13 @@ def openai_params(body: OpenAISampling, max_tokens: int, logprobs: int | None = 
 
 def check_logprobs(value: int | None, param: str) -> int | None:
     if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise invalid_request(f"{param} must be in [0, {MAX_LOGPROBS}], got {value}", param=param)
+        raise InvalidRequestError(f"{param} must be in [0, {MAX_LOGPROBS}], got {value}", param=param)
     return value
 
 
 def shortfin_params(sp: ShortfinSamplingParams) -> SamplingParams:
     if sp.use_beam_search:
-        raise invalid_request("beam search is not supported: use n for independent samples", param="use_beam_search")
+        raise InvalidRequestError("beam search is not supported: use n for independent samples", param="use_beam_search")
     max_tokens = sp.max_completion_tokens if sp.max_completion_tokens is not None else sp.max_new_tokens
     sampled = sp.top_k is not None or sp.top_p is not None
     return SamplingParams.from_kwargs(

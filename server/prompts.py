@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from kiln.runtime.chat import ChatTemplateError, render_chat_template
+from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.service import GenerateService
 
-from .errors import invalid_request
 from .protocol import ChatMessage
 
 # Keywords render_chat_template sets itself; chat_template_kwargs may not replace them.
@@ -22,7 +22,7 @@ def encode(service: GenerateService, text: str, add_special_tokens: bool = True,
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
-        raise invalid_request(f"{param} is not valid Unicode: {error.reason} at character {error.start}",
+        raise InvalidRequestError(f"{param} is not valid Unicode: {error.reason} at character {error.start}",
                               param=param) from None
     return service.encode(text, add_special_tokens=add_special_tokens)
 
@@ -36,7 +36,7 @@ def render_chat(service: GenerateService, messages: list[ChatMessage], template:
     except ChatTemplateError:
         raise
     except Exception as error:  # the template met values it cannot handle: the request's, not ours
-        raise invalid_request(f"the chat template cannot render these messages: {error}", param="messages") from None
+        raise InvalidRequestError(f"the chat template cannot render these messages: {error}", param="messages") from None
 
 
 def chat_ids(service: GenerateService, messages: list[ChatMessage], template: str | None, add_special_tokens: bool,

@@ -5,19 +5,18 @@ One dataclass, filled by the CLI (or a test), read by the app and its middleware
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     # Names the /v1 routes answer to; the first is the one /v1/models lists first.
-    served_model_names: list[str] = field(default_factory=lambda: ["kiln"])
-    model_root: str = ""  # where the artifacts are (shown by /v1/models)
+    served_model_names: tuple[str, ...] = ("kiln",)
     chat_template: str | None = None  # overrides tokenizer_config.json's
-    api_keys: list[str] = field(default_factory=list)  # empty: no authentication
-    cors_origins: list[str] = field(default_factory=list)
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    cors_origins: tuple[str, ...] = ()
     rate_limit: float = 0.0  # requests per second per API key (or client address); 0: off
     max_body_bytes: int = 16 * 2**20
     max_n: int = 64  # completions per prompt

@@ -20,10 +20,10 @@ import uuid
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
-from kiln.runtime.chat import ChatTemplateError
+from kiln.runtime.errors import InvalidRequestError, KilnError
 
-from .errors import APIError, error_body, from_runtime, invalid_request, model_not_found
-from .generation import Choice, Generation, failure_of, require_ready
+from .errors import error_body, failure_of
+from .generation import Choice, Generation, admit, rest_of_context
 from .params import check_logprobs, openai_params
 from .prompts import chat_ids, encode
 from .protocol import SocketCancel, SocketGenerate
@@ -42,15 +42,14 @@ class Session:
         async with self._lock:  # one message at a time, whichever generation it is from
             await self.websocket.send_text(json.dumps(payload, ensure_ascii=False))
 
-    async def error(self, generation_id: str | None, error: APIError) -> None:
-        body = error_body("/ws", error.status, error.message, error.code, error.param)
-        await self.send({"type": "error", "id": generation_id, **body})
+    async def error(self, generation_id: str | None, error: KilnError) -> None:
+        await self.send({"type": "error", "id": generation_id, **error_body("/ws", error)})
 
     async def handle(self, raw: str) -> None:
         try:
             data = json.loads(raw)
         except ValueError as problem:
-            return await self.error(None, invalid_request(f"messages must be JSON objects: {problem}"))
+            return await self.error(None, InvalidRequestError(f"messages must be JSON objects: {problem}"))
         kind = data.get("type") if isinstance(data, dict) else None
         try:
             if kind == "generate":
@@ -60,16 +59,17 @@ class Session:
         except ValidationError as problem:
             first = problem.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
-            return await self.error(data.get("id"), invalid_request(f"{where}: {first['msg']}", param=where or None))
-        except (APIError, ChatTemplateError) as problem:
-            return await self.error(data.get("id"), from_runtime(problem))
+            return await self.error(data.get("id"), InvalidRequestError(f"{where}: {first['msg']}",
+                                                                        param=where or None))
+        except KilnError as problem:
+            return await self.error(data.get("id"), problem)
         await self.error(data.get("id") if isinstance(data, dict) else None,
-                         invalid_request("type must be 'generate' or 'cancel'", param="type"))
+                         InvalidRequestError("type must be 'generate' or 'cancel'", param="type"))
 
     def start(self, message: SocketGenerate) -> None:
         generation_id = message.id or uuid.uuid4().hex
         if generation_id in self.running:
-            raise invalid_request(f"a generation with id {generation_id!r} is already running", param="id")
+            raise InvalidRequestError(f"a generation with id {generation_id!r} is already running", param="id")
         generation, logprobs = self.prepare(message, generation_id)
         task = asyncio.create_task(self.stream(generation_id, generation, logprobs, message.n))
         self.running[generation_id] = task
@@ -77,14 +77,10 @@ class Session:
 
     def prepare(self, message: SocketGenerate, generation_id: str) -> tuple[Generation, int | None]:
         service, settings = self.state.service, self.state.settings
-        if not settings.knows_model(message.model):
-            raise model_not_found(message.model, settings.served_model_names)
-        require_ready(service)
-        if not 1 <= message.n <= settings.max_n:
-            raise invalid_request(f"n must be in [1, {settings.max_n}], got {message.n}", param="n")
+        admit(service, settings, message.model, [message.n])
         given = [x is not None for x in (message.prompt, message.input_ids, message.messages)]
         if sum(given) != 1:
-            raise invalid_request("give exactly one of prompt, input_ids or messages")
+            raise InvalidRequestError("give exactly one of prompt, input_ids or messages")
         if message.messages is not None:
             prompt = chat_ids(service, message.messages, settings.chat_template, bool(message.add_special_tokens))
         elif message.prompt is not None:
@@ -93,7 +89,7 @@ class Session:
             prompt = list(message.input_ids)
         max_tokens = message.max_tokens
         if max_tokens is None:
-            max_tokens = max(1, service.context_capacity - len(prompt)) if message.messages is not None else 16
+            max_tokens = rest_of_context(service, prompt) if message.messages is not None else 16
         logprobs = check_logprobs(message.logprobs, "logprobs")
         params = openai_params(message, max_tokens, logprobs)
         generation = Generation(service, self.state.metrics, [prompt], [params], [f"ws-{uuid.uuid4().hex}"],
@@ -125,7 +121,7 @@ class Session:
     async def cancel(self, generation_id: str) -> None:
         task = self.running.get(generation_id)
         if task is None:
-            raise invalid_request(f"no generation with id {generation_id!r} is running", param="id")
+            raise InvalidRequestError(f"no generation with id {generation_id!r} is running", param="id")
         task.cancel()  # leaving generation.events() aborts it
         with contextlib.suppress(asyncio.CancelledError):
             await task

@@ -7,13 +7,13 @@ through `kiln.export.build` into Kiln's keyed cache, so local reruns reuse it.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.server_process import ServerProcess
 from tests.tiny_model import make_tiny_checkpoint, write_hf_directory
 
 # Small enough to trace in seconds, large enough for several pages per sequence.
@@ -79,6 +79,16 @@ def tiny_gguf_artifacts(tiny_gguf, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def fake_model_dir(tiny_checkpoint, tmp_path_factory) -> Path:
+    """Artifacts for tests/fake_program.py's FakeProgram: a config and the tiny tokenizer, no VMFB."""
+    from tests.fake_program import write_fake_artifacts
+
+    directory = tmp_path_factory.mktemp("fake-model")
+    write_fake_artifacts(directory, tiny_checkpoint.tokenizer_json, tiny_checkpoint.tokenizer_config)
+    return directory
+
+
+@pytest.fixture(scope="session")
 def smollm2_checkpoint():
     from kiln.models.checkpoint import load_checkpoint
 
@@ -92,3 +102,19 @@ def smollm2_artifacts() -> Path:
     from kiln.export.build import build, default_build_options
 
     return build(None, default_build_options(), ["cpu"], log=lambda line: print(line, file=sys.stderr))
+
+
+@pytest.fixture(scope="session")
+def start_server(tmp_path_factory):
+    """start_server(*args) → a ready ServerProcess, stopped at the end of the session."""
+    started: list[ServerProcess] = []
+
+    def start(*args: str, ready: bool = True, env: dict | None = None) -> ServerProcess:
+        log_path = tmp_path_factory.mktemp("serve") / "server.log"
+        server = ServerProcess([str(a) for a in args], log_path, env)
+        started.append(server)
+        return server.wait_ready() if ready else server
+
+    yield start
+    for server in started:
+        server.stop()

@@ -9,7 +9,8 @@ from tokenizers import Tokenizer
 
 from kiln.export.export_model import build_model
 from kiln.export.options import ExportOptions
-from kiln.runtime.program import Artifacts, Program
+from kiln.runtime.contract import Artifacts
+from kiln.runtime.program import Program
 from tests.paged_driver import PagedDriver, relative_error
 
 pytestmark = [pytest.mark.e2e, pytest.mark.smollm2]

@@ -10,7 +10,8 @@ import torch
 
 from kiln.export.export_model import build_model
 from kiln.export.options import ExportOptions
-from kiln.runtime.program import Artifacts, Program
+from kiln.runtime.contract import Artifacts
+from kiln.runtime.program import Program
 from tests.conftest import run_kiln
 from tests.paged_driver import PagedDriver, relative_error
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from kiln.runtime import GenerateService, SamplingParams, ServiceConfig
-from kiln.runtime.program import Artifacts, Program
+from kiln.runtime.contract import Artifacts
+from kiln.runtime.program import Program
 from kiln.runtime.sampling import compute_logprobs, compute_logprobs_rows
 from tests.paged_driver import PagedDriver
 

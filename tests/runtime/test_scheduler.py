@@ -5,16 +5,21 @@ from __future__ import annotations
 from kiln.runtime.kvcache.page_pool import PagePool
 from kiln.runtime.kvcache.plain_cache import PlainPagedAttentionCache
 from kiln.runtime.kvcache.trie_cache import TriePagedAttentionCache
-from kiln.runtime.request import Request, Sequence, SequenceStatus
+from kiln.runtime.batch import Phase
+from kiln.runtime.request import Request, Sequence, SequenceState
 from kiln.runtime.sampling import SamplingParams
-from kiln.runtime.scheduler import Scheduler, SchedulerConfig
+from kiln.runtime.scheduler import Finish, Scheduler, SchedulerConfig
 
 
-def make(pages=64, chunk=32, trie=False, prefill=(1, 4), decode=(1, 4)):
+def config(prefill=(1, 4), decode=(1, 4), chunk=32, budget=0, has_prefill_position=True):
+    return SchedulerConfig(tuple(prefill), tuple(decode), block_seq_stride=4, max_seq_len=256, chunk_tokens=chunk,
+                           prefill_token_budget=budget, max_running=32, has_prefill_position=has_prefill_position)
+
+
+def make(pages=64, chunk=32, trie=False, prefill=(1, 4), decode=(1, 4), eos=()):
     pool = PagePool(pages)
     cache = (TriePagedAttentionCache if trie else PlainPagedAttentionCache)(pool, 4)
-    config = SchedulerConfig(list(prefill), list(decode), block_seq_stride=4, max_seq_len=256, chunk_tokens=chunk)
-    return Scheduler(config, cache), cache
+    return Scheduler(config(prefill, decode, chunk), cache, eos), cache
 
 
 def seq(length, priority=0, name="r"):
@@ -25,11 +30,16 @@ def seq(length, priority=0, name="r"):
 
 
 def complete(scheduler, batch, token=7):
-    """What the batcher does after a step, minus sampling: K/V written, a token appended."""
-    for s, chunk, samples in zip(batch.seqs, batch.chunks, batch.samples):
-        s.computed += len(chunk)
-        if samples:
-            s.tokens.append(token)
+    """A step's results as the batcher hands them over: `token` sampled on every sampling row."""
+    return scheduler.postprocess(batch, [token if samples else None for samples in batch.samples])
+
+
+def names(scheduler, batch):
+    return [s.request.request_id for s in scheduler.sequences_of(batch)]
+
+
+def in_prefill(s):
+    return s.state is SequenceState.PREFILL or s.state is SequenceState.WAITING
 
 
 def test_priority_orders_admission():
@@ -40,12 +50,12 @@ def test_priority_orders_admission():
     order = []
     for _ in range(3):
         batch = scheduler.schedule()
-        assert batch.kind == "prefill"
-        order.append(batch.seqs[0].request.request_id)
+        assert batch.phase is Phase.PREFILL
+        order.append(names(scheduler, batch)[0])
         complete(scheduler, batch)
         # Nothing else: finish decoders so only prefills are compared.
         for s in list(scheduler.running):
-            if not s.in_prefill:
+            if s.state is SequenceState.DECODE:
                 scheduler.finish(s, "length")
     assert order == ["high", "mid", "low"]
 
@@ -55,16 +65,16 @@ def test_prefill_and_decode_alternate_and_long_prompts_are_chunked():
     short, long_ = seq(3, name="short"), seq(30, name="long")
     scheduler.add(short)
     batch = scheduler.schedule()
-    assert batch.kind == "prefill" and batch.chunks == [[10, 11, 12]] and batch.samples == [True]
+    assert batch.phase is Phase.PREFILL and batch.tokens == ((10, 11, 12),) and batch.samples == (True,)
     complete(scheduler, batch)
     scheduler.add(long_)
     kinds, long_chunks = [], []
-    while long_.in_prefill:
+    while in_prefill(long_):
         batch = scheduler.schedule()
-        kinds.append(batch.kind)
-        if batch.kind == "prefill":
-            long_chunks.append(len(batch.chunks[0]))
-            assert batch.samples == [not long_.in_prefill or batch.starts[0] + len(batch.chunks[0]) == 30]
+        kinds.append(batch.phase.value)
+        if batch.phase is Phase.PREFILL:
+            long_chunks.append(len(batch.tokens[0]))
+            assert batch.samples == (batch.starts[0] + len(batch.tokens[0]) == 30,)
         complete(scheduler, batch)
     assert long_chunks == [8, 8, 8, 6]
     # The short one decodes between the long one's chunks: its new prompt waits one step at most.
@@ -78,13 +88,13 @@ def test_more_running_than_the_largest_decode_batch_take_turns():
     seqs = [seq(3, name=f"s{i}") for i in range(3)]
     for s in seqs:
         scheduler.add(s)
-    while any(s.in_prefill for s in seqs):
+    while any(in_prefill(s) for s in seqs):
         complete(scheduler, scheduler.schedule())
     served = []
     for _ in range(6):
         batch = scheduler.schedule()
-        assert batch.kind == "decode" and batch.batch_size == 2
-        served += [s.request.request_id for s in batch.seqs]
+        assert batch.phase is Phase.DECODE and batch.batch_size == 2
+        served += names(scheduler, batch)
         complete(scheduler, batch)
     assert sorted(served.count(name) for name in ("s0", "s1", "s2")) == [4, 4, 4]
 
@@ -96,16 +106,16 @@ def test_prefill_takes_as_many_rows_as_a_batch_size_they_fill():
     for i in range(3):
         scheduler.add(seq(5, name=f"a{i}"))
     sizes = []
-    while (batch := scheduler.schedule()) is not None and batch.kind == "prefill":
-        sizes.append((batch.batch_size, len(batch.seqs)))
+    while (batch := scheduler.schedule()) is not None and batch.phase is Phase.PREFILL:
+        sizes.append((batch.batch_size, batch.rows))
         complete(scheduler, batch)
-        scheduler.last_kind = "decode"  # look at prefill decisions only
+        scheduler.last_phase = Phase.DECODE  # look at prefill decisions only
     assert sizes == [(1, 1), (1, 1), (1, 1)]
     scheduler, _ = make(prefill=(1, 4), decode=(16,))
     for i in range(5):
         scheduler.add(seq(5, name=f"b{i}"))
     batch = scheduler.schedule()
-    assert (batch.batch_size, len(batch.seqs)) == (4, 4)
+    assert (batch.batch_size, batch.rows) == (4, 4)
 
 
 def test_the_youngest_is_preempted_and_recomputed_without_resampling():
@@ -114,23 +124,23 @@ def test_the_youngest_is_preempted_and_recomputed_without_resampling():
     scheduler.add(old)
     scheduler.add(young)
     batch = scheduler.schedule()
-    assert batch.kind == "prefill" and len(batch.seqs) == 2
+    assert batch.phase is Phase.PREFILL and batch.rows == 2
     complete(scheduler, batch)  # both: 7 tokens in 2 pages each; the pool is empty
     for _ in range(2):  # positions 6 and 7 fit in those pages
         batch = scheduler.schedule()
-        assert len(batch.seqs) == 2
+        assert batch.rows == 2
         complete(scheduler, batch)
     batch = scheduler.schedule()  # position 8 needs a third page: only by preempting
-    assert batch.kind == "decode" and [s.request.request_id for s in batch.seqs] == ["old"]
-    assert young.status is SequenceStatus.WAITING and young.preemptions == 1 and young.computed == 0
+    assert batch.phase is Phase.DECODE and names(scheduler, batch) == ["old"]
+    assert young.state is SequenceState.WAITING and young.preemptions == 1 and young.computed == 0
     assert young.prefill_target == len(young.tokens) - 1
     scheduler.finish(old, "length")
     batch = scheduler.schedule()
-    assert batch.kind == "prefill" and batch.seqs == [young] and batch.samples == [False]
-    assert batch.chunks == [young.tokens[:-1]]
+    assert batch.phase is Phase.PREFILL and batch.seq_ids == (young.seq_id,) and batch.samples == (False,)
+    assert batch.tokens == (tuple(young.tokens[:-1]),)
     complete(scheduler, batch)
     batch = scheduler.schedule()
-    assert batch.kind == "decode" and batch.starts == [len(young.tokens) - 1]
+    assert batch.phase is Phase.DECODE and batch.starts == (len(young.tokens) - 1,)
     cache.check_integrity()
 
 
@@ -143,15 +153,12 @@ def test_a_sibling_waits_for_its_leader_and_reuses_its_pages():
     scheduler.add(leader)
     scheduler.add(sibling)
     batch = scheduler.schedule()
-    assert batch.seqs == [leader]
+    assert batch.seq_ids == (leader.seq_id,)
     complete(scheduler, batch)
-    scheduler.publish(leader)
-    batch = scheduler.schedule()
-    assert sibling in batch.seqs if batch.kind == "prefill" else True
-    while sibling.in_prefill or sibling.status is SequenceStatus.WAITING:
+    while in_prefill(sibling):
         batch = scheduler.schedule()
-        if batch.kind == "prefill":
-            assert batch.starts[batch.seqs.index(sibling)] == 8  # two shared pages of 4
+        if batch.phase is Phase.PREFILL:
+            assert batch.starts[batch.seq_ids.index(sibling.seq_id)] == 8  # two shared pages of 4
         complete(scheduler, batch)
     assert sibling.allocation.pages[:2] == leader.allocation.pages[:2]
     cache.check_integrity()
@@ -159,43 +166,93 @@ def test_a_sibling_waits_for_its_leader_and_reuses_its_pages():
 
 def test_prefill_token_budget_shortens_chunks_only_while_others_decode():
     pool = PagePool(512)
-    config = SchedulerConfig([1, 4], [1, 4], block_seq_stride=4, max_seq_len=256, chunk_tokens=32,
-                             prefill_token_budget=40)
-    scheduler = Scheduler(config, PlainPagedAttentionCache(pool, 4))
+    scheduler = Scheduler(config(budget=40), PlainPagedAttentionCache(pool, 4))
     first = [seq(64, name=f"a{i}") for i in range(4)]
     for s in first:
         scheduler.add(s)
     batch = scheduler.schedule()  # nothing decodes yet: full chunks
-    assert batch.kind == "prefill" and [len(c) for c in batch.chunks] == [32] * 4
+    assert batch.phase is Phase.PREFILL and [len(c) for c in batch.tokens] == [32] * 4
     complete(scheduler, batch)
     batch = scheduler.schedule()
     complete(scheduler, batch)
-    assert all(not s.in_prefill for s in first)
+    assert all(s.state is SequenceState.DECODE for s in first)
     later = [seq(64, name=f"b{i}") for i in range(4)]
     for s in later:
         scheduler.add(s)
     kinds = []
     for _ in range(2):
         batch = scheduler.schedule()
-        kinds.append(batch.kind)
-        if batch.kind == "prefill":
+        kinds.append(batch.phase.value)
+        if batch.phase is Phase.PREFILL:
             # 40 tokens over 4 rows, whole pages of 4: 8 each
-            assert [len(c) for c in batch.chunks] == [8] * 4
+            assert [len(c) for c in batch.tokens] == [8] * 4
         complete(scheduler, batch)
     assert sorted(kinds) == ["decode", "prefill"]
 
 
 def test_prefill_token_budget_never_splits_prompts_without_start_positions():
-    config = SchedulerConfig([1, 4], [1, 4], block_seq_stride=4, max_seq_len=256, chunk_tokens=32,
-                             prefill_token_budget=8, has_prefill_position=False)
-    scheduler = Scheduler(config, PlainPagedAttentionCache(PagePool(512), 4))
+    scheduler = Scheduler(config(budget=8, has_prefill_position=False), PlainPagedAttentionCache(PagePool(512), 4))
     first = seq(20, name="first")
     scheduler.add(first)
     complete(scheduler, scheduler.schedule())
-    assert not first.in_prefill  # it decodes now
+    assert first.state is SequenceState.DECODE  # it decodes now
     scheduler.add(seq(40, name="second"))
     batch = scheduler.schedule()
-    assert batch.kind == "decode"  # the turns alternate
+    assert batch.phase is Phase.DECODE  # the turns alternate
     complete(scheduler, batch)
     batch = scheduler.schedule()
-    assert batch.kind == "prefill" and [len(c) for c in batch.chunks] == [40]
+    assert batch.phase is Phase.PREFILL and [len(c) for c in batch.tokens] == [40]
+
+
+def test_states_move_waiting_prefill_decode_finished():
+    scheduler, cache = make(chunk=8)
+    s = seq(10)
+    assert s.state is SequenceState.WAITING
+    scheduler.add(s)
+    batch = scheduler.schedule()
+    assert s.state is SequenceState.PREFILL and batch.tokens == (tuple(range(10, 18)),)
+    assert complete(scheduler, batch) == [None] and s.state is SequenceState.PREFILL  # one chunk of two
+    complete(scheduler, scheduler.schedule())
+    assert s.state is SequenceState.DECODE and s.tokens[-1] == 7
+    scheduler.finish(s, "abort")
+    assert s.state is SequenceState.FINISHED and s.finish_reason == "abort"
+    assert cache.stats().active == 0
+    cache.check_integrity()
+
+
+def test_postprocess_finishes_on_eos_stop_tokens_and_length_and_frees_pages():
+    scheduler, cache = make(eos=(2,))
+    eos, stop_token, length, ignoring = seq(5, name="eos"), seq(5, name="stop"), seq(5, name="length"), seq(5, name="x")
+    stop_token.request.params.stop_token_ids = [9]
+    length.request.params.max_tokens = 2
+    ignoring.request.params.ignore_eos = True
+    for s in (eos, stop_token, length, ignoring):
+        scheduler.add(s)
+    batch = scheduler.schedule()
+    assert batch.rows == 4
+    finishes = scheduler.postprocess(batch, [2, 9, 5, 2])
+    assert finishes == [Finish("stop", 2), Finish("stop", 9), None, None]
+    assert [s.state for s in (eos, stop_token, length, ignoring)] == [
+        SequenceState.FINISHED, SequenceState.FINISHED, SequenceState.DECODE, SequenceState.DECODE]
+    assert eos.tokens[-1] == 2  # appended, then finished
+    batch = scheduler.schedule()
+    assert names(scheduler, batch) == ["length", "x"]
+    assert scheduler.postprocess(batch, [4, 4]) == [Finish("length"), None]
+    assert length.state is SequenceState.FINISHED and len(length.output_ids) == 2
+    assert len(scheduler.running) == 1
+    scheduler.finish(ignoring, "abort")
+    assert cache.stats().active == 0
+    cache.check_integrity()
+
+
+def test_rows_aborted_while_their_batch_ran_are_skipped():
+    scheduler, cache = make(prefill=(1, 2))
+    a, b = seq(5, name="a"), seq(5, name="b")
+    scheduler.add(a)
+    scheduler.add(b)
+    batch = scheduler.schedule()
+    scheduler.finish(a, "abort")
+    assert scheduler.sequences_of(batch) == [None, b]
+    assert scheduler.postprocess(batch, [3, 3]) == [None, None]
+    assert a.tokens == list(range(10, 15)) and b.tokens[-1] == 3
+    cache.check_integrity()

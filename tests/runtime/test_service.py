@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from kiln.runtime import GenerateService, InvalidRequestError, SamplingParams, ServiceConfig
-from kiln.runtime.executor import InvocationError
-from kiln.runtime.program import Artifacts
+from kiln.runtime.contract import Artifacts
 
 pytestmark = pytest.mark.e2e
 
@@ -196,7 +195,7 @@ def test_200_random_requests_with_random_aborts_leave_every_page_free(tiny_artif
         service = await started(tiny_artifacts, page_count=24)
         await asyncio.gather(*(one(service, i) for i in range(200)))
         for _ in range(200):
-            if service.cache.stats().active == 0 and not service.batcher.requests:
+            if service.cache.stats().active == 0 and not service.in_flight:
                 break
             await asyncio.sleep(0.01)
         assert_no_leaks(service)
@@ -275,11 +274,11 @@ def test_a_failed_invocation_fails_its_batch_and_the_service_goes_on(tiny_artifa
         real = executor._invoke
         poisoned = {"armed": True}
 
-        def flaky(name, args, read_at, wanted):
-            if poisoned["armed"] and name.startswith("decode"):
+        def flaky(invocation):
+            if poisoned["armed"] and invocation.function.startswith("decode"):
                 poisoned["armed"] = False
                 raise RuntimeError("device fault (injected)")
-            return real(name, args, read_at, wanted)
+            return real(invocation)
 
         executor._invoke = flaky
         failed = await collect(service, [5, 6, 7], GREEDY)
@@ -288,27 +287,6 @@ def test_a_failed_invocation_fails_its_batch_and_the_service_goes_on(tiny_artifa
         assert ok[0]["finish"] == "length" and len(ok[0]["ids"]) == 12
         assert service.stats().steps["failed"] == 1
         assert_no_leaks(service)
-        await service.stop()
-
-    run(scenario())
-
-
-def test_invalid_arguments_never_reach_the_device(tiny_artifacts):
-    async def scenario():
-        service = await started(tiny_artifacts)
-        executor = service.batcher.executor
-        from kiln.runtime.scheduler import Batch
-
-        class FakeSeq:
-            class request:
-                request_id = "fake"
-
-            class allocation:
-                pages = [999]
-
-        bad_page = Batch("decode", 1, [FakeSeq()], [0], [[5]], [True])
-        with pytest.raises(InvocationError, match="page id"):
-            executor.build_arguments(bad_page)
         await service.stop()
 
     run(scenario())
@@ -355,7 +333,7 @@ def test_cache_sized_from_a_memory_budget(tiny_artifacts):
 
 
 def test_lifecycle_states(tiny_artifacts):
-    from kiln.runtime import ServiceState, ServiceUnavailableError
+    from kiln.runtime import NotReadyError, ServiceState
 
     async def scenario():
         service = GenerateService(ServiceConfig(Artifacts.in_directory(tiny_artifacts)))
@@ -368,7 +346,7 @@ def test_lifecycle_states(tiny_artifacts):
         stopping = asyncio.create_task(service.stop(grace_seconds=30))
         await asyncio.sleep(0)
         assert service.state is ServiceState.DRAINING
-        with pytest.raises(ServiceUnavailableError, match="draining"):
+        with pytest.raises(NotReadyError, match="draining"):
             service.submit([5], GREEDY)
         finished = await long_running
         await stopping

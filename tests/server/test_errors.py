@@ -9,9 +9,10 @@ import httpx
 import pytest
 
 from kiln.runtime import GenerateService, ServiceConfig
-from kiln.runtime.program import Artifacts
+from kiln.runtime.contract import Artifacts
 from kiln.server.app import create_app
 from kiln.server.settings import ServerSettings
+from tests.fake_program import FakeProgram
 
 pytestmark = pytest.mark.e2e
 
@@ -143,9 +144,10 @@ async def in_process(app, method, path, **kwargs):
         return await client.request(method, path, **kwargs)
 
 
-def test_loading_answers_503(tiny_artifacts):
-    service = GenerateService(ServiceConfig(Artifacts.in_directory(tiny_artifacts)))  # never started: LOADING
-    app = create_app(service, ServerSettings(served_model_names=["tiny"]))
+def test_loading_answers_503(fake_model_dir):
+    service = GenerateService(ServiceConfig(Artifacts.in_directory(fake_model_dir)),  # never started: LOADING
+                              program_factory=FakeProgram)
+    app = create_app(service, ServerSettings(served_model_names=("tiny",)))
 
     async def scenario():
         health = await in_process(app, "GET", "/health")
@@ -162,13 +164,11 @@ def test_loading_answers_503(tiny_artifacts):
     asyncio.run(scenario())
 
 
-def test_full_queue_answers_503(tiny_artifacts):
+def test_full_queue_answers_503(fake_model_dir):
     async def scenario():
-        service = await GenerateService(ServiceConfig(Artifacts.in_directory(tiny_artifacts), max_queue=0)).start()
-        app = create_app(service, ServerSettings(served_model_names=["tiny"]))
-        from kiln.server.logprobs import TokenText
-
-        app.state.token_text = TokenText(service.tokenizer)
+        config = ServiceConfig(Artifacts.in_directory(fake_model_dir), max_queue=0)
+        service = await GenerateService(config, program_factory=FakeProgram).start()
+        app = create_app(service, ServerSettings(served_model_names=("tiny",)))
         try:
             response = await in_process(app, "POST", "/v1/completions", json={"prompt": "hi"})
             assert_openai_error(response, 503, "queue is full", code="queue_full")

@@ -1,0 +1,42 @@
+"""A batch: one model call's work as plain data, from the scheduler to the executor.
+
+The scheduler decides it; the executor turns it into the ABI's argument arrays
+(`invocation.py`); the scheduler and the output processor read the results back by
+the same rows. It holds no live object: page tables are copied in, sequences are
+named by id, so building and checking the arguments needs no scheduler and no device.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Phase(str, enum.Enum):
+    PREFILL = "prefill"  # write a chunk of each row's prompt (and sample where it completes one)
+    DECODE = "decode"  # feed each row's last token and sample the next
+
+
+@dataclass(frozen=True)
+class Batch:
+    phase: Phase
+    batch_size: int  # the exported function's N; rows past len(seq_ids) are padding
+    seq_ids: tuple[int, ...]  # which sequence each row is
+    starts: tuple[int, ...]  # position of each row's first token
+    tokens: tuple[tuple[int, ...], ...]  # the tokens each row feeds, from its start position
+    block_tables: tuple[tuple[int, ...], ...]  # each row's pages in sequence order, covering its tokens
+    samples: tuple[bool, ...]  # rows whose last logits are sampled: a completed prompt, every decode row
+    full_logits: tuple[bool, ...]  # prefill rows that need the logits at every position (prompt logprobs)
+
+    @property
+    def rows(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        """Tokens each row's sequence holds once this batch has run."""
+        return tuple(start + len(chunk) for start, chunk in zip(self.starts, self.tokens))
+
+    @property
+    def token_count(self) -> int:
+        return sum(len(chunk) for chunk in self.tokens)

@@ -1,0 +1,156 @@
+"""The contract between an export and the runtime: function names, argument orders, file names.
+
+The exporter writes functions and files by these names, and the runtime looks them up
+and calls them by the same ones; nothing else in Kiln spells them out. `Capabilities`
+is what one compiled program offers, read once when it is loaded. The config JSON
+that travels with the functions is `config.py`'s. Neither torch nor iree is imported
+here, so both sides (and tests) can read it.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from .config import KilnParams, ModelParams
+
+# The scope of the parameters in the .irpa: the MLIR names them #flow.parameter.named<"model"::...>.
+PARAMETER_SCOPE = "model"
+
+MLIR_FILE = "model.mlir"
+PARAMETERS_FILE = "model.irpa"
+CONFIG_FILE = "model.json"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+TARGETS = ("cpu", "cuda", "rocm")
+
+
+def vmfb_file(target: str) -> str:
+    """The compiled module for one target: model_cpu.vmfb, model_cuda.vmfb, model_rocm.vmfb."""
+    return f"model_{target}.vmfb"
+
+
+class FunctionKind(str, enum.Enum):
+    PREFILL = "prefill"  # logits [N, T, V] at every position (shortfin's)
+    PREFILL_LAST = "prefill_last"  # the same call, logits [N, 1, V] at each row's last token (Kiln's)
+    DECODE = "decode"  # one token per row, logits [N, 1, V]
+
+
+_PREFILL_ARGUMENTS = ("tokens", "start_pos", "seq_lens", "seq_block_ids", "cache")
+_PREFILL_ARGUMENTS_NO_POSITION = ("tokens", "seq_lens", "seq_block_ids", "cache")
+_DECODE_ARGUMENTS = ("tokens", "seq_lens", "start_positions", "seq_block_ids", "cache")
+_FUNCTION_NAME = re.compile(r"^(prefill_last|prefill|decode)_bs([1-9][0-9]*)$")
+
+
+def function_name(kind: FunctionKind, batch_size: int) -> str:
+    return f"{FunctionKind(kind).value}_bs{batch_size}"
+
+
+def parse_function_name(name: str) -> tuple[FunctionKind, int] | None:
+    """(kind, batch size) of an ABI function's name; None for any other name."""
+    match = _FUNCTION_NAME.match(name)
+    return (FunctionKind(match.group(1)), int(match.group(2))) if match else None
+
+
+def argument_names(kind: FunctionKind, has_prefill_position: bool) -> tuple[str, ...]:
+    """The arguments of a function of `kind`, in call order; the cache (updated in place) is last.
+
+    tokens [N, T] i64 (T a multiple of the stride for prefill, 1 for decode), start
+    positions [N] i64, sequence lengths [N] i64, the block table [N, B] i64, the cache
+    [pages, page_elems]. Without start positions, prefill writes each row from position 0.
+    """
+    if FunctionKind(kind) is FunctionKind.DECODE:
+        return _DECODE_ARGUMENTS
+    return _PREFILL_ARGUMENTS if has_prefill_position else _PREFILL_ARGUMENTS_NO_POSITION
+
+
+def expected_functions(params: ModelParams, with_prefill_last: bool) -> list[str]:
+    """Every function an export with this config contains, in export order."""
+    kinds = [FunctionKind.PREFILL] + ([FunctionKind.PREFILL_LAST] if with_prefill_last else [])
+    names = [function_name(kind, bs) for kind in kinds for bs in params.prefill_batch_sizes]
+    return names + [function_name(FunctionKind.DECODE, bs) for bs in params.decode_batch_sizes]
+
+
+@dataclass(frozen=True)
+class Artifacts:
+    """The files of one compiled export."""
+
+    vmfb: Path
+    params: Path
+    config: Path
+    tokenizer: Path | None = None
+
+    @classmethod
+    def in_directory(cls, directory: Path, target: str = "cpu") -> "Artifacts":
+        directory = Path(directory)
+        return cls(
+            vmfb=directory / vmfb_file(target),
+            params=directory / PARAMETERS_FILE,
+            config=directory / CONFIG_FILE,
+            tokenizer=directory / TOKENIZER_FILE,
+        )
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return Path(self.tokenizer) if self.tokenizer else Path(self.config).with_name(TOKENIZER_FILE)
+
+    def with_tokenizer(self, tokenizer: Path) -> "Artifacts":
+        return replace(self, tokenizer=Path(tokenizer))
+
+
+class ContractError(ValueError):
+    """A compiled program that lacks what its config promises, or offers what Kiln cannot call."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What one compiled program offers: derived once from its config and its function table."""
+
+    prefill_batch_sizes: tuple[int, ...]
+    decode_batch_sizes: tuple[int, ...]
+    prefill_last_batch_sizes: tuple[int, ...]  # sizes with a prefill_last companion
+    has_prefill_position: bool  # prefill takes start positions: chunked prefill and prefix reuse
+    prefill_returns_last_only: bool  # prefill_bs<N> itself returns [N, 1, V] (--prefill-final-logits)
+    block_seq_stride: int
+    max_seq_len: int
+
+    @classmethod
+    def of(cls, params: ModelParams, kiln: KilnParams, function_names) -> "Capabilities":
+        """Check the functions against the config; raise ContractError naming what is missing."""
+        present = set(function_names)
+        missing = [name for name in expected_functions(params, with_prefill_last=False) if name not in present]
+        if missing:
+            raise ContractError(f"the module has no function {missing[0]} that the config lists")
+        if params.top_k is not None:
+            raise ContractError("its functions return top-k values and ids, which Kiln does not serve: "
+                                "export without --top-k")
+        last = tuple(sorted(bs for bs in params.prefill_batch_sizes
+                            if function_name(FunctionKind.PREFILL_LAST, bs) in present))
+        return cls(
+            prefill_batch_sizes=tuple(sorted(params.prefill_batch_sizes)),
+            decode_batch_sizes=tuple(sorted(params.decode_batch_sizes)),
+            prefill_last_batch_sizes=last,
+            has_prefill_position=params.has_prefill_position,
+            prefill_returns_last_only=kiln.prefill_final_logits,
+            block_seq_stride=params.block_seq_stride,
+            max_seq_len=params.max_seq_len,
+        )
+
+    @property
+    def every_position_logits(self) -> bool:
+        """Whether some prefill returns the logits at every position (what prompt logprobs need)."""
+        return not self.prefill_returns_last_only
+
+    def prefill_function(self, batch_size: int, every_position: bool) -> tuple[str, bool]:
+        """The prefill to call for a batch, and whether it returns only each row's last logits.
+
+        prefill_last_bs<N> where it exists and no row needs every position: it skips the
+        [N, T, V] output projection a sampler never reads.
+        """
+        if self.prefill_returns_last_only:
+            return function_name(FunctionKind.PREFILL, batch_size), True
+        if not every_position and batch_size in self.prefill_last_batch_sizes:
+            return function_name(FunctionKind.PREFILL_LAST, batch_size), True
+        return function_name(FunctionKind.PREFILL, batch_size), False

@@ -1,0 +1,92 @@
+"""A Batch as the ABI's argument arrays, checked: a pure function, no device needed.
+
+The compiled code checks nothing (a bad page id is an unchecked write, a token length
+off the stride crashes the process), so every argument is validated here against the
+contract before any call is made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .batch import Batch, Phase
+from .contract import Capabilities, FunctionKind, argument_names, function_name
+from .errors import GenerationError
+
+
+class InvocationError(GenerationError):
+    """A batch that could not be run; its sequences fail, the service goes on."""
+
+
+@dataclass(frozen=True)
+class Invocation:
+    function: str
+    arguments: tuple[np.ndarray, ...]  # in the contract's order, all but the cache
+    read_at: tuple[int | slice, ...]  # for each row: the logits position (or positions) to read
+    wanted: tuple[bool, ...]  # rows whose logits are read at all
+
+
+def build_invocation(batch: Batch, abi: Capabilities, page_count: int, vocab_size: int) -> Invocation:
+    """The function to call and its arguments; InvocationError for anything off the contract."""
+    rows, stride = batch.batch_size, abi.block_seq_stride
+    if batch.rows > rows or not batch.rows:
+        raise InvocationError(f"{batch.rows} rows for a batch of {rows}")
+    if batch.phase is Phase.DECODE:
+        if any(len(chunk) != 1 for chunk in batch.tokens):
+            raise InvocationError("a decode row feeds exactly one token")
+        name, last_only, kind = function_name(FunctionKind.DECODE, rows), True, FunctionKind.DECODE
+        width = 1
+    else:
+        every_position = any(batch.full_logits)
+        if every_position and not abi.every_position_logits:
+            raise InvocationError("logits at every position need a prefill that returns them all")
+        if not abi.has_prefill_position and any(batch.starts):
+            raise InvocationError("this export's prefill takes no start position")
+        name, last_only = abi.prefill_function(rows, every_position)
+        kind = FunctionKind.PREFILL
+        width = -(-max(len(chunk) for chunk in batch.tokens) // stride) * stride
+    if any(batch.full_logits) and batch.phase is not Phase.PREFILL:
+        raise InvocationError("logits at every position need a prefill")
+
+    tokens = np.zeros((rows, width), np.int64)
+    starts = np.zeros(rows, np.int64)
+    seq_lens = np.ones(rows, np.int64)  # padding rows: one token on page 0
+    for row, (start, chunk) in enumerate(zip(batch.starts, batch.tokens)):
+        tokens[row, : len(chunk)] = chunk
+        starts[row] = start
+        seq_lens[row] = start + len(chunk)
+    blocks = -(-int(seq_lens.max()) // stride)
+    table = np.zeros((rows, blocks), np.int64)
+    for row, pages in enumerate(batch.block_tables):
+        pages = pages[:blocks]
+        table[row, : len(pages)] = pages
+    _validate(batch, abi, page_count, vocab_size, tokens, seq_lens, table)
+
+    read_at: list[int | slice] = []
+    for chunk, full in zip(batch.tokens, batch.full_logits):
+        if last_only:
+            read_at.append(0)
+        else:  # every position of the chunk for prompt logprobs, else its last
+            read_at.append(slice(0, len(chunk)) if full else len(chunk) - 1)
+    wanted = tuple(samples or full for samples, full in zip(batch.samples, batch.full_logits))
+    named = {"tokens": tokens, "start_pos": starts, "start_positions": starts, "seq_lens": seq_lens,
+             "seq_block_ids": table}
+    arguments = tuple(named[arg] for arg in argument_names(kind, abi.has_prefill_position) if arg != "cache")
+    return Invocation(name, arguments, tuple(read_at), wanted)
+
+
+def _validate(batch: Batch, abi: Capabilities, page_count: int, vocab_size: int, tokens, seq_lens, table) -> None:
+    if not all(len(c) for c in batch.tokens):
+        raise InvocationError("a row feeds no token")
+    if tokens.min() < 0 or tokens.max() >= vocab_size:
+        raise InvocationError("a token id is outside the vocabulary")
+    if seq_lens.max() > abi.max_seq_len or tokens.shape[1] > abi.max_seq_len:
+        raise InvocationError(f"a sequence is longer than max_seq_len {abi.max_seq_len}")
+    if table.min() < 0 or table.max() >= page_count:
+        raise InvocationError("a page id is outside the cache")
+    for row, seq_id in enumerate(batch.seq_ids):
+        needed = -(-int(seq_lens[row]) // abi.block_seq_stride)
+        if np.count_nonzero(table[row, :needed]) != needed:
+            raise InvocationError(f"sequence {seq_id} lacks pages for {seq_lens[row]} tokens")

@@ -1,0 +1,40 @@
+"""How a GenerateService runs a model: the engine's knobs, each default declared here once.
+
+Light on purpose (no iree, no numpy), so the CLI can show these defaults in its help
+without loading the runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .contract import Artifacts
+
+PREFIX_SHARING = ("trie", "none")
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    # What to load. None only while the artifacts are still to be built: GenerateService
+    # is then given a `prepare` callable that builds them and returns them.
+    artifacts: Artifacts | None = None
+    device: str = "local-task"
+    prefix_sharing: str = "trie"  # "trie" | "none"
+    page_count: int = 0  # 0: the export's device_block_count (or the memory budget)
+    memory_budget_bytes: int = 0  # size the cache from bytes instead of a page count
+    chunk_tokens: int = 256  # longest prefill chunk per sequence (rounded down to whole pages)
+    # While others stream, the most prompt tokens one prefill call takes (0: no cap): the
+    # longest pause a prefill puts between their tokens.
+    prefill_token_budget: int = 512
+    max_running: int = 32  # sequences holding KV pages at once
+    max_queue: int = 256  # requests waiting before submit answers "busy" (0: none may wait)
+
+    def __post_init__(self):
+        if self.prefix_sharing not in PREFIX_SHARING:
+            raise ValueError(f"prefix_sharing must be one of {', '.join(PREFIX_SHARING)}, got {self.prefix_sharing!r}")
+        for name in ("page_count", "memory_budget_bytes", "prefill_token_budget", "max_queue"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("chunk_tokens", "max_running"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
