@@ -29,7 +29,7 @@ from kiln.runtime.contract import vmfb_file
 from kiln.export.compile import compile_vmfb
 from kiln.export.export_model import build_model, export_model
 from kiln.export.options import ExportOptions
-from kiln.models.checkpoint import load_checkpoint
+from kiln.models.loader import load_checkpoint
 from kiln.runtime.contract import Artifacts
 from kiln.runtime.program import Program
 

@@ -1,5 +1,5 @@
 """Turn a results JSON into what people read: markdown tables, the issue's target ratios,
-PNG plots, and the README section between `<!-- bench -->` markers.
+PNG plots, and the section of benchmarks/README.md between `<!-- bench -->` markers.
 
     python -m benchmarks.report benchmarks/results/<date>.json    # re-render only
 """
@@ -270,5 +270,5 @@ if __name__ == "__main__":
     path = Path(sys.argv[1])
     results = json.loads(path.read_text())
     here = Path(__file__).resolve().parent
-    write_all(results, here / "results", here.parent / "README.md")
+    write_all(results, here / "results", here / "README.md")
     print(tables(results))

@@ -5,8 +5,8 @@ same model (SmolLM2-135M-Instruct), same moment.
     python -m benchmarks.run --steps offline       # a part: membw, offline, serving, paired, prefix, runtimes
     python -m benchmarks.run --engines kiln        # Kiln only (no peers)
 
-Writes benchmarks/results/<date>.json, PNG plots beside it (stable names, so the README's
-links always show the latest run) and the README table between its bench markers.
+Writes benchmarks/results/<date>.json, PNG plots beside it (stable names, so the links in
+benchmarks/README.md always show the latest run) and that page's tables between its bench markers.
 Ratios are what to quote: absolute times drift on a shared machine. Never run by CI.
 """
 
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             STEPS[step](results, args)
             output.parent.mkdir(parents=True, exist_ok=True)
             output.write_text(json.dumps(results, indent=2) + "\n")  # keep what is done so far
-    report.write_all(results, RESULTS_DIR, REPO / "README.md")
+    report.write_all(results, RESULTS_DIR, REPO / "benchmarks" / "README.md")
     print(report.tables(results))
     log(f"saved {output}")
     return 0

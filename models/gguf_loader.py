@@ -15,9 +15,12 @@ from typing import Any
 
 import numpy as np
 
+from kiln.runtime.errors import ModelLoadError
+
 from .checkpoint import Checkpoint
-from .config import LlamaConfig, ModelLoadError
+from .config import LlamaConfig
 from .gguf_tokenizer import tokenizer_from_gguf
+from .rope import llama3_divisors
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
 
@@ -74,23 +77,11 @@ def llama3_rope_factors(
     high_freq_factor: float, original_max_position_embeddings: int,
 ) -> np.ndarray:
     """The `rope_freqs.weight` tensor convert_hf_to_gguf writes for Llama-3 rope scaling
-    (the divisor of each rotary frequency)."""
+    (the divisor of each rotary frequency, from float32 frequencies as it computes them)."""
     freqs = 1.0 / (np.float32(rope_theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
-    low_wavelen = original_max_position_embeddings / low_freq_factor
-    high_wavelen = original_max_position_embeddings / high_freq_factor
-    out = []
-    for freq in freqs.astype(np.float64):
-        wavelen = 2 * math.pi / freq
-        if wavelen < high_wavelen:
-            out.append(1.0)
-        elif wavelen > low_wavelen:
-            out.append(factor)
-        else:
-            smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (
-                high_freq_factor - low_freq_factor
-            )
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.asarray(out, dtype=np.float32)
+    scaling = {"factor": factor, "low_freq_factor": low_freq_factor, "high_freq_factor": high_freq_factor,
+               "original_max_position_embeddings": original_max_position_embeddings}
+    return llama3_divisors(freqs, scaling).astype(np.float32)
 
 
 def _short(x: float) -> float:

@@ -15,7 +15,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from .config import ModelLoadError
+from kiln.runtime.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from kiln.runtime.errors import ModelLoadError
+
 from .checkpoint import Checkpoint
-from .config import ModelLoadError
 from .gguf_loader import GLOBAL_NAMES, LAYER_NAMES, llama3_rope_factors, permute_qk
 from .gguf_tokenizer import tokenizer_to_gguf
 

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import numpy as np
 
+from kiln.runtime.errors import ModelLoadError
+
 from .checkpoint import Checkpoint
-from .config import SUPPORTED_ARCHITECTURES, LlamaConfig, ModelLoadError
+from .config import SUPPORTED_ARCHITECTURES, LlamaConfig
 
 
 def _read_json(path: Path) -> dict:

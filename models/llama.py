@@ -5,7 +5,7 @@ SwiGLU. `forward_paged` is what the export traces (prefill and decode are the
 same function with T new tokens at `start_pos`); `forward_reference` is a plain
 causal pass with no cache, the yardstick for the tests.
 
-Cache layout (the export/runtime contract, DESIGN.md): `cache[pages, page_elems]`,
+Cache layout (the export/runtime contract, the README's ABI section): `cache[pages, page_elems]`,
 each page `[layers, 2 (k, v), kv_heads, block_seq_stride * head_dim]`: a K block is stored
 transposed, `[head_dim, block_seq_stride]`, a V block as `[block_seq_stride, head_dim]`
 (see forward_paged for why). Only the model reads inside a page; the runtime counts pages.
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import LlamaConfig
-from .page_gather import gather_pages
+from .rope import llama3_divisors
 
 # Added to the attention score of a key a query may not see: exp() of it is 0 in
 # float32, and unlike -inf it keeps a fully masked (padding) row finite.
@@ -46,18 +46,7 @@ def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
     scaling = config.rope_scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type"))
     if rope_type == "llama3":
-        factor = scaling["factor"]
-        low_freq_factor = scaling.get("low_freq_factor", 1.0)
-        high_freq_factor = scaling.get("high_freq_factor", 4.0)
-        old_context = scaling.get("original_max_position_embeddings", 8192)
-        low_wavelen = old_context / low_freq_factor
-        high_wavelen = old_context / high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv_freq = torch.where(medium, smoothed, scaled)
+        inv_freq = inv_freq / torch.from_numpy(llama3_divisors(inv_freq.numpy(), scaling))
     elif rope_type == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif rope_type not in (None, "default"):
@@ -90,7 +79,7 @@ class Attention(nn.Module):
             # Decode: one matmul over the three weights (the compiler concatenates them
             # once, at load): two dispatches fewer per layer, ~1 ms of a batch-1 step here.
             # Prefill keeps three: splitting the fused result made its rotary pass slower
-            # than the merge saved (benchmarks/NOTES.md, session 5).
+            # than the merge saved (benchmarks/NOTES.md).
             weight = torch.cat([p.weight for p in projections])
             bias = torch.cat([p.bias for p in projections]) if self.q_proj.bias is not None else None
             q, k, v = F.linear(x, weight, bias).split([p.out_features for p in projections], dim=-1)
@@ -185,11 +174,18 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+def index_pages(pages: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`pages[index]`: whole pages by index. The export replaces it with IREE's own gather
+    (export/page_gather.py), which compiles to a far faster page copy."""
+    return pages[index]
+
+
 class PagedLlama(nn.Module):
-    def __init__(self, config: LlamaConfig, block_seq_stride: int = 16):
+    def __init__(self, config: LlamaConfig, block_seq_stride: int = 16, gather_pages=index_pages):
         super().__init__()
         self.config = config
         self.block_seq_stride = block_seq_stride
+        self.gather_pages = gather_pages
         self.model = Backbone(config)
         self.lm_head = None
         if not config.tie_word_embeddings:
@@ -283,7 +279,7 @@ class PagedLlama(nn.Module):
         bias = (hidden.float() * MASKED_SCORE).unsqueeze(1)  # [N,1,T,B*stride]
 
         # One head's page of a layer holds K transposed, [D, stride], and V as [stride, D].
-        # Pages are gathered whole (gather_pages). K^T pages laid side by side are the
+        # Pages are gathered whole (self.gather_pages). K^T pages laid side by side are the
         # data-tiled layout of the scores matmul's right operand on llvm-cpu (16 keys per
         # tile), so that gather is a plain page copy; stored as [stride, D], each page was
         # transposed element by element on the way.
@@ -305,8 +301,8 @@ class PagedLlama(nn.Module):
             value_rows.index_put_((value_page * stride + slot,), v.to(cache.dtype))  # rows [N,Hkv,T]
             # The K page of each (row, head, block); its V page follows kv_heads pages later.
             read = ((seq_block_ids * layers + index) * 2).unsqueeze(1) * kv_heads + head  # [N,Hkv,B]
-            keys_t = gather_pages(key_pages, read).permute(0, 1, 3, 2, 4).reshape(n, kv_heads, head_dim, blocks * stride)
-            values = gather_pages(value_pages, read + kv_heads).view(n, kv_heads, blocks * stride, head_dim)
+            keys_t = self.gather_pages(key_pages, read).permute(0, 1, 3, 2, 4).reshape(n, kv_heads, head_dim, blocks * stride)
+            values = self.gather_pages(value_pages, read + kv_heads).view(n, kv_heads, blocks * stride, head_dim)
             h = h + attn.attend_paged(q, keys_t, values, bias, stride)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return h

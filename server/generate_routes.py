@@ -61,7 +61,7 @@ async def generate(body: GenerateRequest, request: Request):
     if isinstance(sampling, list):
         if len(sampling) != len(prompts):
             raise InvalidRequestError(f"sampling_params has {len(sampling)} entries for {len(prompts)} prompts",
-                                  param="sampling_params")
+                                      param="sampling_params")
     else:
         sampling = [sampling] * len(prompts)
     params = [shortfin_params(sp) for sp in sampling]

@@ -185,7 +185,7 @@ def chat_prompt(service: GenerateService, body: ChatCompletionRequest, template:
         raise InvalidRequestError("tools and function calling are not supported", param="tools")
     if body.response_format is not None and body.response_format.type != "text":
         raise InvalidRequestError(f"response_format {body.response_format.type!r} is not supported: only text",
-                              param="response_format")
+                                  param="response_format")
     return chat_ids(service, body.messages, template, body.add_special_tokens, body.add_generation_prompt,
                     body.chat_template_kwargs)
 

@@ -23,7 +23,7 @@ def encode(service: GenerateService, text: str, add_special_tokens: bool = True,
         text.encode("utf-8")
     except UnicodeEncodeError as error:
         raise InvalidRequestError(f"{param} is not valid Unicode: {error.reason} at character {error.start}",
-                              param=param) from None
+                                  param=param) from None
     return service.encode(text, add_special_tokens=add_special_tokens)
 
 

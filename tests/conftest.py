@@ -90,7 +90,7 @@ def fake_model_dir(tiny_checkpoint, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_checkpoint():
-    from kiln.models.checkpoint import load_checkpoint
+    from kiln.models.loader import load_checkpoint
 
     return load_checkpoint(None)
 

@@ -26,9 +26,9 @@ _HELD_ENV = "KILN_HEAVY_LOCK_HELD"
 
 def peers_dir() -> Path:
     """`<cache>/peers`: $KILN_CACHE_DIR/peers, else ~/.cache/kiln/peers."""
-    from kiln.models.default_model import cache_dir
+    from kiln.models import cache
 
-    return cache_dir() / "peers"
+    return cache.peers_dir()
 
 
 def _lock_inherited() -> bool:

@@ -44,7 +44,7 @@ def _done(marker: Path, stamp: str) -> bool:
 
 def hf_dir() -> Path:
     """The HF directory (untied lm_head, float32), written on first use."""
-    from kiln.models.checkpoint import load_checkpoint
+    from kiln.models.loader import load_checkpoint
     from kiln.models.hf_writer import write_hf_directory
 
     target = weights_dir() / "smollm2-135m-instruct-hf"

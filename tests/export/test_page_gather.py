@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.models.page_gather import gather_pages
+from kiln.export.page_gather import gather_pages
 
 
 def test_eager_gather_is_indexing():

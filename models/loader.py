@@ -1,0 +1,28 @@
+"""`load_checkpoint`: the one entry point the export uses, whatever the path holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kiln.runtime.errors import ModelLoadError
+
+from .checkpoint import Checkpoint
+from .default_model import DEFAULT_MODEL_NAME, default_model_path
+from .gguf_loader import load_gguf
+from .hf_loader import load_hf_directory
+
+
+def load_checkpoint(path: str | Path | None = None) -> Checkpoint:
+    """Load an HF directory, a .gguf file, or (None) the bundled default model."""
+    if path is None:
+        checkpoint = load_checkpoint(default_model_path())
+        checkpoint.config.name = DEFAULT_MODEL_NAME
+        return checkpoint
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"model path {path} does not exist")
+    if path.is_dir():
+        return load_hf_directory(path)
+    if path.suffix.lower() == ".gguf":
+        return load_gguf(path)
+    raise ModelLoadError(f"{path} is neither a Hugging Face model directory nor a .gguf file")
