@@ -56,6 +56,14 @@ def add_command(commands) -> None:
                         help="requests per second per API key (or client address), bursts of R; 0: off")
     server.add_argument("--max-body-bytes", type=_positive_int, default=settings.max_body_bytes, metavar="N",
                         help="the largest request body (default: %(default)s)")
+    server.add_argument("--max-prompt-chars", type=_positive_int, default=settings.max_prompt_chars, metavar="N",
+                        help="the longest prompt (or rendered chat) tokenized; longer is refused (default: %(default)s)")
+    server.add_argument("--header-timeout", type=_positive_float, default=settings.header_timeout, metavar="S",
+                        help="seconds a client has to send a request's headers (default: %(default)s)")
+    server.add_argument("--keep-alive-timeout", type=_positive_float, default=settings.keep_alive_timeout,
+                        metavar="S", help="seconds an idle connection stays open (default: %(default)s)")
+    server.add_argument("--max-connections", type=_positive_int, default=settings.max_connections, metavar="N",
+                        help="open connections at once; beyond them new requests get 503 (default: %(default)s)")
     server.add_argument("--grace-period", type=_positive_float, default=settings.grace_seconds, metavar="S",
                         help="on SIGTERM/SIGINT, seconds in-flight requests get to finish (default: %(default)s)")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -133,6 +141,10 @@ def run_serve(args) -> int:
         cors_origins=tuple(args.cors_origin),
         rate_limit=args.rate_limit,
         max_body_bytes=args.max_body_bytes,
+        max_prompt_chars=args.max_prompt_chars,
+        header_timeout=args.header_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
+        max_connections=args.max_connections,
         grace_seconds=args.grace_period,
         log_requests=not args.no_access_log,
     )

@@ -72,9 +72,47 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
 
+class _StopAutomaton:
+    """Aho-Corasick over the stop strings: each character of text is one step, however many
+    strings there are. A state's depth is the longest suffix of the text so far that begins
+    some stop string: exactly what must be held back."""
+
+    def __init__(self, patterns: Sequence[str]):
+        self.goto: list[dict[str, int]] = [{}]
+        self.depth = [0]
+        self.fail = [0]
+        self.match: list[str | None] = [None]  # the longest stop string ending at a state
+        for pattern in patterns:
+            state = 0
+            for ch in pattern:
+                nxt = self.goto[state].get(ch)
+                if nxt is None:
+                    nxt = len(self.goto)
+                    self.goto[state][ch] = nxt
+                    self.goto.append({})
+                    self.depth.append(self.depth[state] + 1)
+                    self.fail.append(0)
+                    self.match.append(None)
+                state = nxt
+            self.match[state] = pattern
+        queue = list(self.goto[0].values())
+        for state in queue:  # breadth first: a state's fail link is shallower, so already final
+            for ch, child in self.goto[state].items():
+                queue.append(child)
+                self.fail[child] = self.step(self.fail[state], ch)
+                if self.match[child] is None:
+                    self.match[child] = self.match[self.fail[child]]
+
+    def step(self, state: int, ch: str) -> int:
+        while state and ch not in self.goto[state]:
+            state = self.fail[state]
+        return self.goto[state].get(ch, 0)
+
+
 class StopChecker:
-    """Finds the earliest stop string in streamed text, across deltas, and holds back
-    whatever could still be the start of one.
+    """Finds the first stop string to complete in streamed text, across deltas, and holds
+    back whatever could still be the start of one. The work per character does not grow with
+    the number of stop strings.
 
         emit, stopped = checker.feed(delta)   # stream `emit`; on `stopped`, finish the sequence
         tail = checker.finish()               # at the end without a stop: the held text
@@ -84,6 +122,8 @@ class StopChecker:
         self.stop = [s for s in stop if s]
         self.stopped = False
         self.matched: str | None = None  # the stop string that ended the text
+        self._automaton = _StopAutomaton(self.stop) if self.stop else None
+        self._state = 0
         self._held = ""
         self._chunks: list[str] = []
 
@@ -96,35 +136,30 @@ class StopChecker:
         """Add decoded text; return (text safe to stream now, whether a stop string matched)."""
         if self.stopped:
             return "", True
-        if not self.stop:
+        automaton = self._automaton
+        if automaton is None:
             return self._emit(delta), False
-        # Everything before the held text was released because no stop string can start
-        # there, so a match, if any, starts inside `buf`.
+        # `_held` is exactly the text the automaton's state stands for: a match ends in
+        # `delta` and starts inside `buf`.
         buf = self._held + delta
-        found = [(i, s) for s in self.stop if (i := buf.find(s)) >= 0]
-        if found:
-            cut, self.matched = min(found, key=lambda hit: hit[0])
-            self.stopped = True
-            self._held = ""
-            return self._emit(buf[:cut]), True
-        hold = self._partial_match(buf)
+        state = self._state
+        for offset, ch in enumerate(delta):
+            state = automaton.step(state, ch)
+            found = automaton.match[state]
+            if found is not None:  # the first stop string to complete (the longest, if several)
+                end = len(self._held) + offset + 1
+                self.stopped, self.matched, self._held = True, found, ""
+                return self._emit(buf[: end - len(found)]), True
+        self._state = state
+        hold = automaton.depth[state]
         self._held = buf[len(buf) - hold :] if hold else ""
         return self._emit(buf[: len(buf) - hold]), False
 
     def finish(self) -> str:
         """Release the held text (nothing if a stop string matched)."""
         held, self._held = self._held, ""
+        self._state = 0
         return "" if self.stopped else self._emit(held)
-
-    def _partial_match(self, buf: str) -> int:
-        """Length of the longest suffix of `buf` that is a proper prefix of some stop string."""
-        best = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(buf)), best, -1):
-                if buf.endswith(s[:n]):
-                    best = n
-                    break
-        return best
 
     def _emit(self, text: str) -> str:
         if text:

@@ -15,6 +15,11 @@ import numpy as np
 from .errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+# Generous bounds (OpenAI allows 4 stop strings): every stop string is compiled into one
+# automaton per request, and stop token ids are checked per token.
+MAX_STOP_STRINGS = 64
+MAX_STOP_LENGTH = 512  # characters
+MAX_STOP_TOKEN_IDS = 256
 # Below this temperature, sampling is greedy (as vLLM's _SAMPLING_EPS): dividing by it
 # would only turn the distribution into a one-hot one with worse numerics.
 _GREEDY_TEMPERATURE = 1e-5
@@ -89,10 +94,19 @@ class SamplingParams:
         if self.seed is not None:
             _integer("seed", self.seed)
         _integer("n", self.n, low=1)
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+        if not isinstance(self.stop, list):
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {self.stop!r}", param="stop")
+        if len(self.stop) > MAX_STOP_STRINGS:  # first: the checks below walk the list
+            raise InvalidRequestError(f"stop has {len(self.stop)} strings: at most {MAX_STOP_STRINGS}", param="stop")
+        if not all(isinstance(s, str) for s in self.stop):
             raise InvalidRequestError(f"stop must be a string or a list of strings, got {self.stop!r}", param="stop")
         if any(s == "" for s in self.stop):
             raise InvalidRequestError("stop must not contain empty strings", param="stop")
+        if any(len(s) > MAX_STOP_LENGTH for s in self.stop):
+            raise InvalidRequestError(f"a stop string is longer than {MAX_STOP_LENGTH} characters", param="stop")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"stop_token_ids has {len(self.stop_token_ids)} ids: at most "
+                                      f"{MAX_STOP_TOKEN_IDS}", param="stop_token_ids")
         for t in self.stop_token_ids:
             _integer("stop_token_ids", t, low=0, high=None if vocab_size is None else vocab_size - 1)
         if not isinstance(self.ignore_eos, bool):

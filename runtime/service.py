@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 from tokenizers import Tokenizer
 
 from .batcher import Batcher
@@ -190,30 +191,46 @@ class GenerateService:
         raise NotReadyError(f"the service is {self.state.value}, not ready", retry_after=1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: only the batch call lets go of the GIL while it works, so
+        # a long prompt tokenized on a worker thread does not stop the event loop.
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # -- requests ---------------------------------------------------------------------
+    def check_token_ids(self, ids, param: str = "prompt") -> list[int]:
+        """`ids` as a list, or InvalidRequestError naming the first id outside the vocabulary
+        (checked before anything decodes them: the tokenizer overflows on huge ids). In numpy:
+        a prompt may hold a million ids, and this runs on the event loop."""
+        ids = list(ids)
+        array = np.asarray(ids) if ids else np.zeros(0, np.int64)
+        if array.dtype.kind in "iu" and array.ndim == 1:
+            bad = np.flatnonzero((array < 0) | (array >= self.vocab_size))
+            first = int(bad[0]) if bad.size else None
+        else:  # ids numpy cannot hold as integers (too large, not numbers): find the first by hand
+            first = next((i for i, t in enumerate(ids) if isinstance(t, bool) or not isinstance(t, int)
+                          or not 0 <= t < self.vocab_size), None)
+        if first is not None:
+            raise InvalidRequestError(f"{param}[{first}]: token id {ids[first]!r} is outside the vocabulary "
+                                      f"(0..{self.vocab_size - 1})", param=param)
+        return ids
+
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequestError for anything the device must never see."""
+        """Raise InvalidRequestError for anything the device must never see (cheapest checks first)."""
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        bad = [t for t in prompt_ids if not isinstance(t, int) or t < 0 or t >= self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
-                                      param="prompt")
         params.validate(self.vocab_size)
-        if params.prompt_logprobs is not None and not self.program.capabilities.every_position_logits:
-            raise InvalidRequestError("prompt logprobs need every position's logits: this export's prefill "
-                                      "returns the last", param="prompt_logprobs")
         total = len(prompt_ids) + params.max_tokens
         if len(prompt_ids) >= self.max_seq_len or total > self.max_seq_len:
             raise InvalidRequestError(
                 f"this model's maximum context length is {self.max_seq_len} tokens, but {len(prompt_ids)} prompt "
                 f"tokens + {params.max_tokens} max_tokens were requested", param="max_tokens",
             )
+        self.check_token_ids(prompt_ids)
+        if params.prompt_logprobs is not None and not self.program.capabilities.every_position_logits:
+            raise InvalidRequestError("prompt logprobs need every position's logits: this export's prefill "
+                                      "returns the last", param="prompt_logprobs")
         pages = self.cache.pages_for(total)
         if pages > self.pool.total:
             raise InvalidRequestError(

@@ -65,6 +65,7 @@ def create_app(service: GenerateService, settings: ServerSettings,
     app.state.load_error = None
     app.state.exit_code = 0
     app.state.drain_task = None
+    app.state.sockets = set()  # open WebSocket sessions (websocket_routes.Session)
 
     install_error_handlers(app)
 
@@ -98,6 +99,15 @@ def create_app(service: GenerateService, settings: ServerSettings,
                            allow_credentials="*" not in settings.cors_origins)
     app.add_middleware(RequestContext, metrics=metrics, log_requests=settings.log_requests)
     return app
+
+
+async def drain(app: FastAPI, settle_seconds: float = 5.0) -> None:
+    """Drain the service, then give WebSocket generations the moment they need to send their
+    last message (their events have ended; the send has not yet happened)."""
+    await begin_drain(app)
+    deadline = time.monotonic() + settle_seconds
+    while any(session.running for session in app.state.sockets) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
 
 
 def begin_drain(app: FastAPI) -> asyncio.Task:

@@ -3,12 +3,11 @@
 Every error Kiln raises is a `KilnError` whose type carries its HTTP status, OpenAI
 `type` and `code`, and the field at fault; this module only formats them. Validation
 failures and unknown routes are mapped here too, so a client's mistake is always a 4xx
-with a message, never a 500.
+with a message, never a 500. (A failure of Kiln's own is answered by the RequestContext
+middleware, which keeps the connection open.)
 """
 
 from __future__ import annotations
-
-import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,9 +16,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln.runtime.errors import GenerationError, InvalidRequestError, KilnError, NotReadyError
 
-log = logging.getLogger("kiln.server")
-
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+_UNPARSABLE_BODY = "There was an error parsing the body"
 
 # OpenAI's error types by status.
 _TYPES = {
@@ -121,14 +119,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(error.status_code)
+        code = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed",
+                413: "request_too_large"}.get(error.status_code)
         message = error.detail if isinstance(error.detail, str) else "request failed"
         if error.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
+        elif error.status_code == 400 and message == _UNPARSABLE_BODY:  # FastAPI's words for it
+            message = "the body could not be read as JSON: it must be UTF-8 text holding one JSON object"
         return error_response(request.url.path, APIError(error.status_code, message, code=code,
                                                          headers=getattr(error, "headers", None)))
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, error: Exception):
-        log.exception("unexpected error on %s %s", request.method, request.url.path)
-        return error_response(request.url.path, GenerationError(f"internal error: {type(error).__name__}"))

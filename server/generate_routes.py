@@ -27,16 +27,17 @@ from .streaming import DONE, EventStream, sse, unless_disconnected
 router = APIRouter()
 
 
-def prompts_of(service, body: GenerateRequest) -> tuple[list[list[int]], list[str], bool]:
+async def prompts_of(service, body: GenerateRequest, limit: int) -> tuple[list[list[int]], list[str], bool]:
     """(token ids, text, whether the request is a single prompt)."""
     if (body.text is None) == (body.input_ids is None):
         raise InvalidRequestError("Either text or input_ids should be provided.")
     if body.text is not None:
         single = isinstance(body.text, str)
         texts = [body.text] if single else list(body.text)
-        return [encode(service, t, param="text") for t in texts], texts, single
+        return [await encode(service, t, limit, param="text") for t in texts], texts, single
     single = not body.input_ids or isinstance(body.input_ids[0], int)
-    prompts = [list(body.input_ids)] if single else [list(p) for p in body.input_ids]
+    given = [body.input_ids] if single else body.input_ids
+    prompts = [service.check_token_ids(p, param="input_ids") for p in given]
     return prompts, [service.decode(p, skip_special_tokens=False) for p in prompts], single
 
 
@@ -49,12 +50,13 @@ def request_ids(body: GenerateRequest, count: int, single: bool) -> list[str]:
     return rids
 
 
-@router.api_route("/generate", methods=["POST", "PUT"])
+@router.put("/generate", operation_id="generate_put")
+@router.post("/generate", operation_id="generate")
 async def generate(body: GenerateRequest, request: Request):
     state = request.app.state
     service, settings = state.service, state.settings
     admit(service, settings, None)
-    prompts, texts, single = prompts_of(service, body)
+    prompts, texts, single = await prompts_of(service, body, settings.max_prompt_chars)
     if not prompts or len(prompts) > settings.max_prompts:
         raise InvalidRequestError(f"give between 1 and {settings.max_prompts} prompts, got {len(prompts)}")
     sampling = body.sampling_params

@@ -1,9 +1,10 @@
 """Run the app with uvicorn: listen at once, load in the background, drain on SIGTERM/SIGINT, exit 0.
 
-uvicorn already stops accepting connections on a signal and waits for open ones; on top
-of that the service starts draining at the signal itself (new requests get 503, running
-ones get the grace period, then are aborted), and the signal is not re-raised at the
-end, so a drained server exits 0. A second SIGINT forces the exit.
+On the first signal the service drains while every connection stays open (new requests
+get 503; running ones get the grace period, then are aborted with an error the client
+sees), so SSE streams and WebSocket generations alike end with their last message; only
+then does uvicorn shut down (it would close WebSockets at once with 1012). The signal is
+not re-raised at the end, so a drained server exits 0. A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -19,16 +20,18 @@ import uvicorn
 from kiln.runtime.service import GenerateService
 from kiln.runtime.service_config import ServiceConfig
 
-from .app import begin_drain, create_app
+from .app import create_app, drain
+from .connections import head_deadline_protocol
 from .settings import ServerSettings
 
 log = logging.getLogger("kiln.server")
 
 
 class KilnServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, on_signal):
+    def __init__(self, config: uvicorn.Config, drain):
         super().__init__(config)
-        self.on_signal = on_signal
+        self.drain = drain  # a coroutine function: the service drained, the last messages sent
+        self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def serve(self, sockets=None) -> None:
@@ -50,15 +53,33 @@ class KilnServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def handle_exit(self, sig, frame) -> None:
-        if not self.should_exit:
-            log.info("received %s: draining", signal.Signals(sig).name)
-            if self.loop is not None:
-                self.loop.call_soon_threadsafe(self.on_signal)
-        super().handle_exit(sig, frame)
+        if self.draining or self.loop is None:  # a second signal, or none of ours to drain yet
+            self.should_exit = self.force_exit = True
+            return
+        self.draining = True
+        log.info("received %s: draining", signal.Signals(sig).name)
+        self.loop.call_soon_threadsafe(self._drain_then_exit)
+
+    def _drain_then_exit(self) -> None:
+        task = asyncio.ensure_future(self.drain())
+        task.add_done_callback(lambda _: setattr(self, "should_exit", True))
 
 
 def configure_logging(level: str = "info") -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def uvicorn_config(app, settings: ServerSettings, log_level: str = "info") -> uvicorn.Config:
+    return uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=log_level, access_log=False,
+        log_config=None,  # our logging.basicConfig, one format for uvicorn's lines and ours
+        timeout_graceful_shutdown=settings.grace_seconds + 5, ws="auto", lifespan="on",
+        # A WebSocket message is a request body too: the same limit (the socket closes with 1009).
+        ws_max_size=settings.max_body_bytes,
+        http=head_deadline_protocol(settings.header_timeout),
+        timeout_keep_alive=settings.keep_alive_timeout,
+        limit_concurrency=settings.max_connections,
+    )
 
 
 def serve(service_config: ServiceConfig, settings: ServerSettings, log_level: str = "info", prepare=None) -> int:
@@ -72,12 +93,7 @@ def serve(service_config: ServiceConfig, settings: ServerSettings, log_level: st
             server.should_exit = True
 
     app = create_app(service, settings, on_fatal=fatal)
-    config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=log_level, access_log=False,
-        log_config=None,  # our logging.basicConfig, one format for uvicorn's lines and ours
-        timeout_graceful_shutdown=settings.grace_seconds + 5, ws="auto", lifespan="on",
-    )
-    server = KilnServer(config, on_signal=lambda: begin_drain(app))
+    server = KilnServer(uvicorn_config(app, settings, log_level), drain=lambda: drain(app))
     server.run()
     if not server.started:
         return 1  # the port was taken, or startup failed: uvicorn has said why

@@ -1,9 +1,14 @@
 """Cross-cutting HTTP concerns as plain ASGI middleware (streaming-safe, unlike BaseHTTPMiddleware).
 
 - RequestContext: an `X-Request-Id` on every response (the client's, if it sent a sane one),
-  security headers, one access-log line with the latency, the request counter.
+  security headers, one access-log line with the latency, the request counter; and for a
+  failure of Kiln's own, a well-formed 500 that leaves the connection usable (an exception
+  let through to the server would make it drop the connection, and with it the next
+  request a pooling client sends on it).
 - Guard: API keys (`Authorization: Bearer`, 401 without) and a per-key token-bucket rate
-  limit (429 with `Retry-After`); /health and /metrics stay open.
+  limit (429 with `Retry-After`) that counts generations: an HTTP request is one, and on
+  a WebSocket each `generate` message is one (the route takes it from the same bucket);
+  /health and /metrics stay open.
 - BodyLimit: 413 for a body over the limit, by Content-Length or while it streams in.
 """
 
@@ -20,12 +25,17 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kiln.runtime.errors import GenerationError
+
 from .errors import APIError, error_response
 from .metrics import Metrics
 
+log = logging.getLogger("kiln.server")
 access_log = logging.getLogger("kiln.access")
 
 OPEN_PATHS = {"/health", "/metrics"}
+# Where Guard leaves a WebSocket's rate-limit check (scope state): the route calls it per generation.
+RATE_LIMIT_STATE = "check_rate_limit"
 KNOWN_ROUTES = {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/ws"}
 SECURITY_HEADERS = {
     "x-content-type-options": "nosniff",
@@ -51,9 +61,11 @@ class RequestContext:
         scope.setdefault("state", {})["request_id"] = request_id
         started = time.perf_counter()
         status = 499 if scope["type"] == "http" else 101  # 499: the client left before a response
+        responded = False
 
         async def send_with_headers(message: Message) -> None:
-            nonlocal status
+            nonlocal status, responded
+            responded = responded or message["type"] in ("http.response.start", "websocket.accept", "websocket.close")
             if message["type"] == "http.response.start":
                 status = message["status"]
                 headers = MutableHeaders(scope=message)
@@ -70,9 +82,13 @@ class RequestContext:
 
         try:
             await self.app(scope, receive, send_with_headers)
-        except Exception:
+        except Exception as error:
             status = 500
-            raise
+            log.exception("unexpected error on %s %s", scope.get("method", "WS"), scope["path"])
+            if scope["type"] != "http" or responded:
+                return  # nothing well-formed can be said any more
+            failure = GenerationError(f"internal error: {type(error).__name__}")
+            await error_response(scope["path"], failure)(scope, receive, send_with_headers)
         finally:
             path = scope["path"]
             route = path if path in KNOWN_ROUTES else "other"
@@ -142,12 +158,22 @@ class Guard:
             return await reject(scope, receive, send, error)
         if self.rate_limit > 0:
             client = key if self.api_keys else (scope.get("client") or ("-",))[0]
-            wait = self._bucket(client).take()
-            if wait > 0:
-                error = APIError(429, f"rate limit of {self.rate_limit:g} requests per second exceeded: retry later",
-                                 code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait)))})
-                return await reject(scope, receive, send, error)
+            bucket = self._bucket(client)
+            if scope["type"] == "websocket":
+                scope.setdefault("state", {})[RATE_LIMIT_STATE] = lambda: self.check(bucket)
+            else:
+                try:
+                    self.check(bucket)
+                except APIError as error:
+                    return await reject(scope, receive, send, error)
         await self.app(scope, receive, send)
+
+    def check(self, bucket: TokenBucket) -> None:
+        """Take one generation from `bucket`, or raise the 429 that says when to retry."""
+        wait = bucket.take()
+        if wait > 0:
+            raise APIError(429, f"rate limit of {self.rate_limit:g} requests per second exceeded: retry later",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait)))})
 
     def _bucket(self, client: str) -> TokenBucket:
         bucket = self.buckets.get(client)

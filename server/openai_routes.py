@@ -22,6 +22,7 @@ from .logprobs import TokenText, chat_logprobs, completion_logprobs, join_comple
 from .params import check_logprobs, openai_params
 from .prompts import chat_ids, encode
 from .protocol import ChatCompletionRequest, CompletionRequest, OpenAISampling
+from .settings import ServerSettings
 from .streaming import DONE, EventStream, sse, unless_disconnected
 
 router = APIRouter()
@@ -53,7 +54,8 @@ async def list_models(request: Request):
 
 
 # -- /v1/completions ------------------------------------------------------------------------
-def completion_prompts(service: GenerateService, body: CompletionRequest, limit: int) -> tuple[list[list[int]], list[str]]:
+async def completion_prompts(service: GenerateService, body: CompletionRequest,
+                             settings: ServerSettings) -> tuple[list[list[int]], list[str]]:
     """Token ids and text of each prompt: a string, strings, token ids, or lists of token ids."""
     prompt = body.prompt
     if isinstance(prompt, str):
@@ -61,16 +63,19 @@ def completion_prompts(service: GenerateService, body: CompletionRequest, limit:
     elif prompt and all(isinstance(p, str) for p in prompt):
         texts = list(prompt)
     elif prompt and all(isinstance(p, int) for p in prompt):
-        return [list(prompt)], [service.decode(list(prompt), skip_special_tokens=False)]
+        ids = service.check_token_ids(prompt)
+        return [ids], [service.decode(ids, skip_special_tokens=False)]
     elif prompt and all(isinstance(p, list) for p in prompt):
-        if len(prompt) > limit:
-            raise InvalidRequestError(f"at most {limit} prompts per request, got {len(prompt)}", param="prompt")
-        return [list(p) for p in prompt], [service.decode(list(p), skip_special_tokens=False) for p in prompt]
+        if len(prompt) > settings.max_prompts:
+            raise InvalidRequestError(f"at most {settings.max_prompts} prompts per request, got {len(prompt)}", param="prompt")
+        prompts = [service.check_token_ids(p) for p in prompt]
+        return prompts, [service.decode(p, skip_special_tokens=False) for p in prompts]
     else:
         raise InvalidRequestError("prompt must be a string, a list of strings or token ids, and not empty", param="prompt")
-    if len(texts) > limit:
-        raise InvalidRequestError(f"at most {limit} prompts per request, got {len(texts)}", param="prompt")
-    return [encode(service, t, add_special_tokens=body.add_special_tokens) for t in texts], texts
+    if len(texts) > settings.max_prompts:
+        raise InvalidRequestError(f"at most {settings.max_prompts} prompts per request, got {len(texts)}", param="prompt")
+    return [await encode(service, t, settings.max_prompt_chars, add_special_tokens=body.add_special_tokens)
+            for t in texts], texts
 
 
 @router.post("/v1/completions")
@@ -81,7 +86,7 @@ async def completions(body: CompletionRequest, request: Request):
     if body.best_of is not None and body.best_of != body.n:
         raise InvalidRequestError("best_of is not supported (other than equal to n)", param="best_of")
     logprobs = check_logprobs(body.logprobs, "logprobs")
-    prompts, texts = completion_prompts(service, body, settings.max_prompts)
+    prompts, texts = await completion_prompts(service, body, settings)
     # echo with max_tokens 0 (what older lm-eval sends for loglikelihood): the prompt alone,
     # scored; one token is generated to run the prefill, and dropped.
     echo_only = body.echo and body.max_tokens == 0
@@ -180,14 +185,14 @@ class CompletionView:
 
 
 # -- /v1/chat/completions -------------------------------------------------------------------
-def chat_prompt(service: GenerateService, body: ChatCompletionRequest, template: str | None) -> list[int]:
+async def chat_prompt(service: GenerateService, body: ChatCompletionRequest, settings: ServerSettings) -> list[int]:
     if body.tools or body.functions:
         raise InvalidRequestError("tools and function calling are not supported", param="tools")
     if body.response_format is not None and body.response_format.type != "text":
         raise InvalidRequestError(f"response_format {body.response_format.type!r} is not supported: only text",
                                   param="response_format")
-    return chat_ids(service, body.messages, template, body.add_special_tokens, body.add_generation_prompt,
-                    body.chat_template_kwargs)
+    return await chat_ids(service, body.messages, settings.chat_template, settings.max_prompt_chars,
+                          body.add_special_tokens, body.add_generation_prompt, body.chat_template_kwargs)
 
 
 @router.post("/v1/chat/completions")
@@ -196,7 +201,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
     logprobs = check_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
-    prompt = chat_prompt(service, body, settings.chat_template)
+    prompt = await chat_prompt(service, body, settings)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
         max_tokens = rest_of_context(service, prompt)

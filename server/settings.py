@@ -18,10 +18,15 @@ class ServerSettings:
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     cors_origins: tuple[str, ...] = ()
     rate_limit: float = 0.0  # requests per second per API key (or client address); 0: off
-    max_body_bytes: int = 16 * 2**20
+    max_body_bytes: int = 16 * 2**20  # also the largest WebSocket message
+    # The longest prompt text (or rendered chat) tokenized; longer is a 400 before any work.
+    max_prompt_chars: int = 2**20
     max_n: int = 64  # completions per prompt
     max_prompts: int = 256  # prompts per /v1/completions or /generate request
     grace_seconds: float = 30.0  # on SIGTERM: how long in-flight requests may take to finish
+    header_timeout: float = 10.0  # seconds a client has to send a request's headers
+    keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
+    max_connections: int = 1024  # connections (and WebSockets) at once; beyond it, 503
     log_requests: bool = True
 
     @property

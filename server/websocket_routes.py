@@ -24,6 +24,7 @@ from kiln.runtime.errors import InvalidRequestError, KilnError
 
 from .errors import error_body, failure_of
 from .generation import Choice, Generation, admit, rest_of_context
+from .middleware import RATE_LIMIT_STATE
 from .params import check_logprobs, openai_params
 from .prompts import chat_ids, encode
 from .protocol import SocketCancel, SocketGenerate
@@ -53,7 +54,7 @@ class Session:
         kind = data.get("type") if isinstance(data, dict) else None
         try:
             if kind == "generate":
-                return self.start(SocketGenerate.model_validate(data))
+                return await self.start(SocketGenerate.model_validate(data))
             if kind == "cancel":
                 return await self.cancel(SocketCancel.model_validate(data).id)
         except ValidationError as problem:
@@ -66,27 +67,32 @@ class Session:
         await self.error(data.get("id") if isinstance(data, dict) else None,
                          InvalidRequestError("type must be 'generate' or 'cancel'", param="type"))
 
-    def start(self, message: SocketGenerate) -> None:
+    async def start(self, message: SocketGenerate) -> None:
         generation_id = message.id or uuid.uuid4().hex
         if generation_id in self.running:
             raise InvalidRequestError(f"a generation with id {generation_id!r} is already running", param="id")
-        generation, logprobs = self.prepare(message, generation_id)
+        check_rate_limit = self.websocket.scope.get("state", {}).get(RATE_LIMIT_STATE)
+        if check_rate_limit is not None:  # every generation counts, not the handshake
+            check_rate_limit()
+        generation, logprobs = await self.prepare(message, generation_id)
         task = asyncio.create_task(self.stream(generation_id, generation, logprobs, message.n))
         self.running[generation_id] = task
         task.add_done_callback(lambda _: self.running.pop(generation_id, None))
 
-    def prepare(self, message: SocketGenerate, generation_id: str) -> tuple[Generation, int | None]:
+    async def prepare(self, message: SocketGenerate, generation_id: str) -> tuple[Generation, int | None]:
         service, settings = self.state.service, self.state.settings
         admit(service, settings, message.model, [message.n])
         given = [x is not None for x in (message.prompt, message.input_ids, message.messages)]
         if sum(given) != 1:
             raise InvalidRequestError("give exactly one of prompt, input_ids or messages")
         if message.messages is not None:
-            prompt = chat_ids(service, message.messages, settings.chat_template, bool(message.add_special_tokens))
+            prompt = await chat_ids(service, message.messages, settings.chat_template, settings.max_prompt_chars,
+                                    bool(message.add_special_tokens))
         elif message.prompt is not None:
-            prompt = encode(service, message.prompt, add_special_tokens=message.add_special_tokens is not False)
+            prompt = await encode(service, message.prompt, settings.max_prompt_chars,
+                                  add_special_tokens=message.add_special_tokens is not False)
         else:
-            prompt = list(message.input_ids)
+            prompt = service.check_token_ids(message.input_ids, param="input_ids")
         max_tokens = message.max_tokens
         if max_tokens is None:
             max_tokens = rest_of_context(service, prompt) if message.messages is not None else 16
@@ -139,6 +145,8 @@ class Session:
 async def socket(websocket: WebSocket):
     await websocket.accept()
     session = Session(websocket)
+    sessions = websocket.app.state.sockets
+    sessions.add(session)
     try:
         while True:
             message = await websocket.receive()
@@ -149,4 +157,5 @@ async def socket(websocket: WebSocket):
                 raw = (message.get("bytes") or b"").decode("utf-8", errors="replace")
             await session.handle(raw)
     finally:
+        sessions.discard(session)
         await session.close()

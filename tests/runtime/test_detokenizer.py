@@ -153,7 +153,7 @@ def test_finish_releases_held_text():
     assert c.text == "done\n\nUse"
 
 
-def test_earliest_stop_wins_and_the_stop_is_excluded():
+def test_the_first_stop_to_complete_wins_and_the_stop_is_excluded():
     c = StopChecker(["cat", "at the"])
     assert feed_all(c, ["the c", "at the mat"]) == (["the ", ""], True)
     assert c.text == "the "
@@ -190,11 +190,13 @@ def test_stop_on_a_split_multibyte_character(tok):
 
 def test_matches_a_reference_on_random_chunkings():
     rng = random.Random(0)
-    for _ in range(500):
+    for _ in range(2000):
         text = "".join(rng.choice("ab\nc") for _ in range(rng.randint(0, 30)))
         stops = ["".join(rng.choice("ab\nc") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
-        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-        expected = text[: min(hits)] if hits else text
+        # The text stops where the first stop string completes (the longest, if several end there).
+        hits = [(i + len(s), -len(s)) for s, i in ((s, text.find(s)) for s in stops) if i >= 0]
+        end, minus_length = min(hits) if hits else (len(text), 0)
+        expected = text[: end + minus_length]
         cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 10))))
         chunks = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
         c = StopChecker(stops)
@@ -202,3 +204,21 @@ def test_matches_a_reference_on_random_chunkings():
         tail = c.finish()
         assert "".join(out) + tail == expected == c.text, (text, stops, chunks)
         assert stopped == bool(hits)
+
+
+def test_a_stop_that_completes_first_wins_over_one_that_started_earlier():
+    c = StopChecker(["abc", "b"])
+    assert feed_all(c, ["a", "b", "c"]) == (["", "a"], True) and c.matched == "b"
+    c = StopChecker(["abc", "b"])
+    assert feed_all(c, ["abc"]) == (["a"], True)  # the same, however the text is split
+
+
+def test_thousands_of_stop_strings_match_like_one():
+    many = StopChecker([f"stop-{i:06d}" for i in range(20_000)])
+    few = StopChecker(["stop-999999"])
+    text = "the model says stop-12 and stop-9 but never the whole thing " * 50
+    for checker in (many, few):
+        for ch in text:
+            checker.feed(ch)
+    # One automaton step per character either way; held text is never longer than a stop string.
+    assert len(many._held) <= len("stop-000000") and many.text == few.text == text[: len(many.text)]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
+from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.sampling import (
     SampleResult,
     Sampler,
@@ -84,11 +85,15 @@ def test_from_kwargs_rejects_unknown_names():
         (dict(min_tokens=-1), "min_tokens"),
         (dict(min_tokens=20, max_tokens=10), "min_tokens"),
         (dict(ignore_eos="yes"), "ignore_eos"),
+        (dict(stop=[f"s{i}" for i in range(65)]), "stop"),
+        (dict(stop=["x" * 513]), "stop"),
+        (dict(stop_token_ids=list(range(257))), "stop_token_ids"),
     ],
 )
 def test_validate_rejects_nonsense_naming_the_field(kwargs, name):
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(InvalidRequestError, match=name) as error:
         SamplingParams(**kwargs).validate(V)
+    assert error.value.param == name
 
 
 def test_validate_accepts_edge_values():

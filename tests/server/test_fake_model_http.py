@@ -1,26 +1,51 @@
-"""The HTTP layer in-process over a fake program: routes, shared checks and error types,
-without compiling a model (the real-server tests are beside this one)."""
+"""The HTTP layer over a fake program, on a real server on 127.0.0.1: routes, the checks
+every route shares, error types, and what a client must not be able to do, with no
+compiled model."""
 
 from __future__ import annotations
 
-import pytest
-from starlette.testclient import TestClient
+import json
 
-from kiln.runtime import GenerateService, ServiceConfig
-from kiln.runtime.contract import Artifacts
-from kiln.server.app import create_app
-from kiln.server.settings import ServerSettings
-from tests.fake_program import FakeProgram, expected_greedy
+import httpx
+import pytest
+from websockets.sync.client import connect
+
+from tests.fake_program import expected_greedy
+
+
+class Client(httpx.Client):
+    """httpx to a server on 127.0.0.1, with its service at hand and WebSockets beside HTTP."""
+
+    def __init__(self, port: int, service):
+        super().__init__(base_url=f"http://127.0.0.1:{port}", timeout=60)
+        self.port, self.service = port, service
+
+    def websocket_connect(self, path: str):
+        return JsonSocket(connect(f"ws://127.0.0.1:{self.port}{path}"))
+
+
+class JsonSocket:
+    def __init__(self, connection):
+        self.connection = connection
+
+    def __enter__(self):
+        self.socket = self.connection.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.connection.__exit__(*exc)
+
+    def send_json(self, payload) -> None:
+        self.socket.send(json.dumps(payload))
+
+    def receive_json(self):
+        return json.loads(self.socket.recv(timeout=30))
 
 
 @pytest.fixture(scope="module")
-def client(fake_model_dir):
-    service = GenerateService(ServiceConfig(Artifacts.in_directory(fake_model_dir)), program_factory=FakeProgram)
-    app = create_app(service, ServerSettings(served_model_names=("fake",), log_requests=False))
-    with TestClient(app) as client:
-        for _ in range(200):
-            if client.get("/health").status_code == 200:
-                break
+def client(start_fake_server):
+    port, service = start_fake_server()
+    with Client(port, service) as client:
         yield client
 
 
@@ -28,7 +53,7 @@ def test_completions_tokens_follow_the_model(client):
     ids = [5, 9, 13, 40]
     body = client.post("/v1/completions", json={"model": "fake", "prompt": ids, "max_tokens": 6, "temperature": 0,
                                                 "ignore_eos": True}).json()
-    service = client.app.state.service
+    service = client.service
     assert body["choices"][0]["text"] == service.decode(expected_greedy(ids, 6))
     assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10,
                              "prompt_tokens_details": {"cached_tokens": 0}}
@@ -44,7 +69,7 @@ def test_generate_route_returns_token_ids(client):
 def test_chat_defaults_max_tokens_to_the_rest_of_the_context(client):
     body = client.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "ignore_eos": True}).json()
-    service = client.app.state.service
+    service = client.service
     assert body["usage"]["total_tokens"] == service.context_capacity
     assert body["choices"][0]["finish_reason"] == "length"
 
@@ -81,3 +106,63 @@ def test_websocket_uses_the_same_checks(client):
         while not messages or messages[-1]["type"] != "done":
             messages.append(socket.receive_json())
         assert [t for m in messages if m["type"] == "token" for t in m["token_ids"]] == expected_greedy([5, 6], 3)
+
+
+@pytest.mark.parametrize("path, payload, param", [
+    ("/v1/completions", {"prompt": [-1], "max_tokens": 1}, "prompt"),
+    ("/v1/completions", {"prompt": [[8589934592]], "max_tokens": 1}, "prompt"),
+    ("/v1/completions", {"prompt": [[5], [5, 384]], "max_tokens": 1}, "prompt"),
+    ("/generate", {"input_ids": [5, -1]}, "input_ids"),
+    ("/generate", {"input_ids": [[5], [2**40]]}, "input_ids"),
+])
+def test_token_ids_outside_the_vocabulary_are_a_400_naming_the_index(client, path, payload, param):
+    answer = client.post(path, json=payload)
+    assert answer.status_code == 400, answer.text
+    body = answer.json()
+    message = body["error"] if path == "/generate" else body["error"]["message"]
+    assert "outside the vocabulary" in message and f"{param}[" in message
+    answer = client.put(path, json=payload) if path == "/generate" else None
+    assert answer is None or answer.status_code == 400
+
+
+def test_websocket_token_ids_are_checked_too(client):
+    with client.websocket_connect("/ws") as socket:
+        socket.send_json({"type": "generate", "id": "a", "input_ids": [5, 10**12]})
+        message = socket.receive_json()
+        assert message["type"] == "error" and message["error"]["param"] == "input_ids"
+
+
+def test_stop_lists_are_bounded(client):
+    answer = client.post("/v1/completions", json={"prompt": "hi", "stop": [f"s{i}" for i in range(200_000)]})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "stop"
+    answer = client.post("/v1/completions", json={"prompt": "hi", "stop": ["x" * 10_000]})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "stop"
+    answer = client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 4, "stop": ["zz"] * 64})
+    assert answer.status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/generate"])
+def test_a_body_that_is_not_utf8_is_a_400_that_says_so(client, path):
+    answer = client.post(path, content=b'{"prompt": "\xff\xfe", "text": "\xff"}',
+                         headers={"content-type": "application/json"})
+    assert answer.status_code == 400
+    body = answer.json()
+    message = body["error"] if path == "/generate" else body["error"]["message"]
+    assert "UTF-8" in message
+    assert (body["code"] if path == "/generate" else body["error"]["code"]) in ("INVALID_REQUEST_ARGS", "invalid_request")
+
+
+def test_the_rate_limit_counts_websocket_generations_not_handshakes(start_fake_server):
+    port, service = start_fake_server(rate_limit=1)
+    with Client(port, service) as client:
+        with client.websocket_connect("/ws") as socket:
+            for index in range(5):
+                socket.send_json({"type": "generate", "id": str(index), "input_ids": [5, 6], "max_tokens": 1})
+            answers = {}
+            while len(answers) < 5:
+                message = socket.receive_json()
+                if message["type"] in ("done", "error"):
+                    answers[message["id"]] = message
+    refused = [m for m in answers.values() if m["type"] == "error"]
+    assert len(refused) >= 3  # a burst of 1, one more per second
+    assert all(m["error"]["code"] == "rate_limit_exceeded" for m in refused)

@@ -116,3 +116,36 @@ def test_server_package_imports_no_torch():
     code = ("import sys, kiln.server.main, kiln.server.app, kiln.cli.serve_command; "
             "bad = [m for m in ('torch', 'iree.turbine') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_sigterm_gives_websocket_generations_the_grace_period(start_server, tiny_artifacts):
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    server = start_server("--artifacts", tiny_artifacts, "--grace-period", "3", "--no-access-log")
+    last: dict[str, dict] = {}
+    tokens: dict[str, int] = {"short": 0, "long": 0}
+    with connect(server.url.replace("http", "ws") + "/ws") as socket:
+        for name, max_tokens in (("short", 24), ("long", 230)):
+            socket.send(json.dumps({"type": "generate", "id": name, "input_ids": [5, 6, 7], "max_tokens": max_tokens,
+                                    "temperature": 0, "ignore_eos": True}))
+        signalled = False
+        try:
+            while len(last) < 2:
+                message = json.loads(socket.recv(timeout=30))
+                if message["type"] == "token":
+                    tokens[message["id"]] += len(message["token_ids"])
+                    if not signalled and tokens["short"] and tokens["long"]:
+                        server.process.send_signal(signal.SIGTERM)
+                        signalled = True
+                else:
+                    last[message["id"]] = message
+        except ConnectionClosed:
+            pass
+    assert signalled and server.process.wait(30) == 0
+    # Each generation ended with its own last message, not a bare close.
+    assert last["short"]["type"] == "done" and last["short"]["choices"][0]["finish_reason"] == "length"
+    assert tokens["short"] == 24
+    assert last["long"]["type"] in ("done", "error")
+    if last["long"]["type"] == "error":
+        assert "shutting down" in last["long"]["error"]["message"]
