@@ -1,6 +1,7 @@
 """Turning one row of logits into the next token, on the host, with numpy.
 
-The order follows vLLM: penalties, then greedy or (temperature, top-k, top-p, min-p, draw).
+The order follows vLLM: penalties and logit bias, then greedy or (temperature, top-k,
+top-p, min-p, draw).
 Logprobs come from the raw model logits, and are computed only when a request asks.
 """
 
@@ -20,6 +21,7 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_LENGTH = 512  # characters
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias; each bias in [-100, 100], as OpenAI's
 # Below this temperature, sampling is greedy (as vLLM's _SAMPLING_EPS): dividing by it
 # would only turn the distribution into a one-hot one with worse numerics.
 _GREEDY_TEMPERATURE = 1e-5
@@ -46,6 +48,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    # OpenAI's: token id -> a bias added to its logit before sampling (logprobs stay the model's).
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         # OpenAI's `stop` may be one string; None means "not given" for both lists.
@@ -72,8 +76,10 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
+        """Anything that changes the logits before the choice (penalties, logit bias)."""
         return (
             self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
         )
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
@@ -119,6 +125,13 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
                                       param="min_tokens")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise InvalidRequestError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases",
+                                          param="logit_bias")
+            for token, bias in self.logit_bias.items():
+                _integer("logit_bias", token, low=0, high=None if vocab_size is None else vocab_size - 1)
+                _number("logit_bias", bias, low=-100.0, high=100.0)
         if not isinstance(self.skip_special_tokens, bool):
             raise InvalidRequestError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}",
                                       param="skip_special_tokens")
@@ -178,7 +191,8 @@ class SamplingRow(Protocol):
 def apply_penalties(
     logits: np.ndarray, params: SamplingParams, output_ids: Sequence[int], prompt_ids: Sequence[int] = ()
 ) -> np.ndarray:
-    """Repetition (HF), presence and frequency (OpenAI) penalties; a new array, or `logits` if none apply."""
+    """Repetition (HF), presence and frequency (OpenAI) penalties and the logit bias; a new
+    array, or `logits` if none apply."""
     if not params.has_penalties:
         return logits
     x = np.array(logits, dtype=np.float32)
@@ -189,6 +203,9 @@ def apply_penalties(
     if (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0) and len(output_ids):
         ids, counts = np.unique(np.asarray(output_ids, np.int64), return_counts=True)
         x[ids] -= (counts * params.frequency_penalty + params.presence_penalty).astype(np.float32)
+    if params.logit_bias:
+        ids = np.fromiter(params.logit_bias.keys(), np.int64, len(params.logit_bias))
+        x[ids] += np.fromiter(params.logit_bias.values(), np.float32, len(params.logit_bias))
     return x
 
 

@@ -19,7 +19,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from kiln.runtime.service import GenerateService, ServiceState
 
-from . import generate_routes, openai_routes, websocket_routes
+from . import generate_routes, openai_routes, tokenizer_routes, websocket_routes
 from .errors import install_error_handlers
 from .logprobs import TokenText
 from .metrics import CONTENT_TYPE, Metrics
@@ -88,6 +88,7 @@ def create_app(service: GenerateService, settings: ServerSettings,
     app.include_router(openai_routes.router)
     app.include_router(generate_routes.router)
     app.include_router(websocket_routes.router)
+    app.include_router(tokenizer_routes.router)
 
     # Added innermost first: RequestContext sees every response, errors from the others included.
     app.add_middleware(JsonBodies)

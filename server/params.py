@@ -15,10 +15,18 @@ from .protocol import OpenAISampling, ShortfinSamplingParams
 SHORTFIN_MAX_COMPLETION_TOKENS = 50
 
 
+def logit_bias(given: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's map, keyed by token ids written as strings, with integer keys."""
+    if not given:
+        return None
+    try:
+        return {int(token): bias for token, bias in given.items()}
+    except ValueError:
+        raise InvalidRequestError("logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
+
+
 def openai_params(body: OpenAISampling, max_tokens: int, logprobs: int | None = None,
                   prompt_logprobs: int | None = None) -> SamplingParams:
-    if body.logit_bias:
-        raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
     return SamplingParams.from_kwargs(
         max_tokens=max_tokens,
         temperature=body.temperature,
@@ -37,6 +45,7 @@ def openai_params(body: OpenAISampling, max_tokens: int, logprobs: int | None = 
         skip_special_tokens=body.skip_special_tokens,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        logit_bias=logit_bias(body.logit_bias),
     )
 
 

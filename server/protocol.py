@@ -1,7 +1,7 @@
 """Request bodies, as OpenAI, vLLM and shortfin define them (pydantic models FastAPI validates).
 
 Fields a server may not know are ignored, as vLLM does; fields Kiln knows but cannot
-honour (tools, logit_bias, beam search...) are rejected by the routes with a 400.
+honour (tools, beam search...) are rejected by the routes with a 400.
 """
 
 from __future__ import annotations
@@ -143,3 +143,24 @@ class SocketGenerate(OpenAISampling):
 class SocketCancel(BaseModel):
     type: Literal["cancel"]
     id: str
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or messages rendered with the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]

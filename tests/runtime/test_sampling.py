@@ -313,3 +313,18 @@ def test_sample_rows_matches_one_row_at_a_time():
     assert batched == single
     assert batched[0].token_id == int(np.argmax(logits[0]))
     assert batched[4].token_id != int(np.argmax(logits[4]))
+
+
+def test_logit_bias_moves_the_choice_and_leaves_logprobs_the_models():
+    logits = random_logits(3)
+    best = int(np.argmax(logits))
+    other = (best + 1) % V
+    sampler = Sampler()
+    assert sampler.sample(logits, SamplingParams(temperature=0), make_generator(0)).token_id == best
+    biased = SamplingParams(temperature=0, logit_bias={other: 100.0, best: -100.0}, logprobs=1)
+    result = sampler.sample(logits, biased, make_generator(0))
+    assert result.token_id == other
+    assert result.logprob == pytest.approx(compute_logprobs(logits, other, 0)[0])  # the raw model's
+    banned = SamplingParams(temperature=1.0, seed=1, logit_bias={best: -100.0})
+    draws = {sampler.sample(logits, banned, make_generator(s)).token_id for s in range(50)}
+    assert best not in draws

@@ -166,3 +166,31 @@ def test_the_rate_limit_counts_websocket_generations_not_handshakes(start_fake_s
     refused = [m for m in answers.values() if m["type"] == "error"]
     assert len(refused) >= 3  # a burst of 1, one more per second
     assert all(m["error"]["code"] == "rate_limit_exceeded" for m in refused)
+
+
+def test_tokenize_detokenize_and_tokenizer_info_as_vllm_serves_them(client):
+    service = client.service
+    answer = client.post("/tokenize", json={"prompt": "hello world", "return_token_strs": True}).json()
+    assert answer["tokens"] == service.encode("hello world") and answer["count"] == len(answer["tokens"])
+    assert answer["max_model_len"] == service.max_seq_len and len(answer["token_strs"]) == answer["count"]
+    assert client.post("/detokenize", json={"tokens": answer["tokens"]}).json()["prompt"].endswith("hello world")
+    chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 3 and client.post("/tokenize", json={}).status_code == 400
+    bad = client.post("/detokenize", json={"tokens": [5, -3]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert client.post("/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
+    info = client.get("/tokenizer_info").json()
+    assert info["eos_token"] == "</s>" and info["vocab_size"] == service.vocab_size and info["chat_template"]
+
+
+def test_logit_bias_steers_the_choice(client):
+    ids = [5, 9, 13]
+    plain = expected_greedy(ids, 1)[0]
+    forced = plain + 50 if plain + 50 < 384 else plain - 50  # logits fall by 1 per id away from the best
+    body = {"prompt": ids, "max_tokens": 1, "temperature": 0, "logit_bias": {str(forced): 100, str(plain): -100}}
+    answer = client.post("/generate", json={"input_ids": ids, "return_input_ids": True,
+                                            "sampling_params": {"max_completion_tokens": 1}})
+    assert answer.json() == [plain]
+    completion = client.post("/v1/completions", json={**body, "logprobs": 0}).json()
+    assert completion["choices"][0]["logprobs"]["tokens"] == [client.service.decode([forced],
+                                                                                    skip_special_tokens=False)]
