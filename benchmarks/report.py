@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 BEGIN, END = "<!-- bench -->", "<!-- /bench -->"
+README = Path(__file__).resolve().parent / "README.md"  # benchmarks/README.md: the page the tables live on
 PLOTS = {"throughput": "serving-throughput.png", "ttft": "serving-ttft.png"}
 
 
@@ -254,7 +255,7 @@ def update_readme(readme: Path, body: str) -> None:
     if BEGIN in text and END in text:
         text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
     else:
-        text = text.rstrip("\n") + "\n\n## Performance\n\n" + block + "\n"
+        text = text.rstrip("\n") + "\n\n## Results\n\n" + block + "\n"
     readme.write_text(text)
 
 
@@ -269,6 +270,5 @@ def write_all(results: dict, directory: Path, readme: Path) -> None:
 if __name__ == "__main__":
     path = Path(sys.argv[1])
     results = json.loads(path.read_text())
-    here = Path(__file__).resolve().parent
-    write_all(results, here / "results", here / "README.md")
+    write_all(results, README.parent / "results", README)
     print(tables(results))

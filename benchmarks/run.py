@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             STEPS[step](results, args)
             output.parent.mkdir(parents=True, exist_ok=True)
             output.write_text(json.dumps(results, indent=2) + "\n")  # keep what is done so far
-    report.write_all(results, RESULTS_DIR, REPO / "benchmarks" / "README.md")
+    report.write_all(results, RESULTS_DIR, report.README)
     print(report.tables(results))
     log(f"saved {output}")
     return 0

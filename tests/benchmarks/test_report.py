@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from benchmarks import membw, report
 
 
@@ -60,6 +62,34 @@ def test_readme_block_is_replaced_in_place(tmp_path):
     readme.write_text(f"# x\n\n{report.BEGIN}\nold\n{report.END}\n\n## after\n")
     report.update_readme(readme, "new table")
     assert readme.read_text() == f"# x\n\n{report.BEGIN}\nnew table\n{report.END}\n\n## after\n"
+
+
+def test_readme_without_markers_gets_a_results_section(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# Benchmarks\n")
+    report.update_readme(readme, "table")
+    assert readme.read_text() == f"# Benchmarks\n\n## Results\n\n{report.BEGIN}\ntable\n{report.END}\n"
+
+
+def test_tables_live_in_benchmarks_readme():
+    benchmarks_dir = Path(report.__file__).resolve().parent
+    assert report.README == benchmarks_dir / "README.md"
+    text = report.README.read_text()
+    assert text.count(report.BEGIN) == 1 and text.count(report.END) == 1
+    assert text.index(report.BEGIN) < text.index(report.END)
+    # The top-level README keeps a summary only: no block for a run to rewrite.
+    assert report.BEGIN not in (benchmarks_dir.parent / "README.md").read_text()
+
+
+def test_plot_links_are_relative_to_the_page(tmp_path):
+    page = tmp_path / "benchmarks" / "README.md"
+    page.parent.mkdir()
+    page.write_text(f"# Benchmarks\n\n{report.BEGIN}\nold\n{report.END}\n")
+    report.write_all(RESULTS, page.parent / "results", page)
+    text = page.read_text()
+    assert "| kiln f32 | 60.0 | 200.0 | 100 | 500 |" in text and "old" not in text
+    assert f"![serving-throughput](results/{report.PLOTS['throughput']})" in text
+    assert f"![serving-ttft](results/{report.PLOTS['ttft']})" in text
 
 
 def test_plots_are_written(tmp_path):

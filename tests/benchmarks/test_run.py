@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+from pathlib import Path
+
 import pytest
 
+from benchmarks import run
 from benchmarks.run import best_of_rounds, main, paired_summary
 
 
@@ -46,3 +51,16 @@ def test_paired_needs_two_known_servers():
     for value in ("kiln f32", "kiln f32,llama.cpp f32,shortfin f32", "kiln f32,vllm f32"):
         with pytest.raises(SystemExit):
             main(["--steps", "paired", "--paired", value])
+
+
+def test_main_writes_the_tables_into_benchmarks_readme(tmp_path, monkeypatch):
+    written = {}
+    monkeypatch.setattr(run, "heavy_lock", contextlib.nullcontext)
+    monkeypatch.setattr(run.report, "write_all",
+                        lambda results, directory, readme: written.update(directory=directory, readme=readme))
+    # 'paired' with Kiln the only engine has no pair to serve: no build, no server.
+    output = tmp_path / "results.json"
+    assert main(["--steps", "paired", "--engines", "kiln", "--output", str(output)]) == 0
+    benchmarks_dir = Path(run.__file__).resolve().parent
+    assert written == {"directory": benchmarks_dir / "results", "readme": benchmarks_dir / "README.md"}
+    assert json.loads(output.read_text())["machine"]["cpus"]
