@@ -13,7 +13,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -23,7 +23,7 @@ from kiln.models.checkpoint import Checkpoint
 from kiln.models.llama import PagedLlama
 from kiln.runtime.config import KilnParams, ModelParams, PagedKVCacheParams, save_model_config, sidecar_path
 from kiln.runtime.contract import (
-    CONFIG_FILE, MLIR_FILE, PARAMETER_SCOPE, PARAMETERS_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
+    CONFIG_FILE, DIFFUSION, MLIR_FILE, PARAMETER_SCOPE, PARAMETERS_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
 )
 from kiln.runtime.errors import ExportError
 
@@ -57,12 +57,13 @@ class ExportedModel:
 
 def model_params(checkpoint: Checkpoint, options: ExportOptions) -> ModelParams:
     c = checkpoint.config
+    diffusion = c.is_diffusion  # no prefill or decode: its functions are in KilnParams
     return ModelParams(
         max_seq_len=options.max_seq_len,
         transformer_block_count=c.num_hidden_layers,
         attn_head_dim=c.head_dim,
-        prefill_batch_sizes=list(options.prefill_batch_sizes),
-        decode_batch_sizes=list(options.decode_batch_sizes),
+        prefill_batch_sizes=[] if diffusion else list(options.prefill_batch_sizes),
+        decode_batch_sizes=[] if diffusion else list(options.decode_batch_sizes),
         has_prefill_position=options.has_prefill_position,
         logits_normalization=options.logits_normalization,
         attn_dtype=options.dtype,
@@ -78,11 +79,16 @@ def model_params(checkpoint: Checkpoint, options: ExportOptions) -> ModelParams:
 
 def kiln_params(checkpoint: Checkpoint, options: ExportOptions) -> KilnParams:
     c = checkpoint.config
-    return KilnParams(
+    kiln = KilnParams(
         vocab_size=c.vocab_size,
         eos_token_ids=list(c.eos_token_ids),
         prefill_final_logits=options.prefill_final_logits,
     )
+    if c.is_diffusion:
+        kiln = replace(kiln, prefill_final_logits=False, model_kind=DIFFUSION,
+                       denoise_batch_sizes=list(options.denoise_batch_sizes),
+                       mask_token_id=c.mask_token_id, logits_shift=c.logits_shift)
+    return kiln
 
 
 def build_model(checkpoint: Checkpoint, options: ExportOptions) -> PagedLlama:
@@ -96,6 +102,8 @@ def build_model(checkpoint: Checkpoint, options: ExportOptions) -> PagedLlama:
 
 def export_model(checkpoint: Checkpoint, options: ExportOptions, output_dir: Path, log=print) -> ExportedModel:
     options = options.validate(checkpoint.config.max_position_embeddings)
+    if checkpoint.config.is_diffusion and options.top_k is not None:
+        raise ExportError("--top-k does not apply to a diffusion LM: its sampler reads every masked position")
     output_dir = Path(output_dir)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))

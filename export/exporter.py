@@ -1,4 +1,5 @@
-"""Trace a PagedLlama into one MLIR module of prefill_bs<N> / decode_bs<N> functions.
+"""Trace a PagedLlama into one MLIR module of prefill_bs<N> / decode_bs<N> functions
+(denoise_bs<N> for a diffusion LM).
 
 Names and argument orders are the contract's (runtime/contract.py), which follows
 shortfin's ABI. Token length, block count and the cache's page count are dynamic, so
@@ -61,9 +62,13 @@ def abi_functions(options: ExportOptions, final_only: bool) -> dict[FunctionKind
         h = model.forward_paged(tokens, start_positions, seq_lens, seq_block_ids, cache)
         return select_logits(model, options, h, start_positions, seq_lens)
 
+    def denoise(model, tokens, start_pos, seq_lens, seq_block_ids, cache):
+        return model.logits(model.forward_paged(tokens, start_pos, seq_lens, seq_block_ids, cache))
+
     return {
         FunctionKind.PREFILL: prefill if options.has_prefill_position else prefill_without_position,
         FunctionKind.DECODE: decode,
+        FunctionKind.DENOISE: denoise,
     }
 
 
@@ -75,15 +80,19 @@ def trace_module(model: PagedLlama, options: ExportOptions, log=print) -> aot.Ex
     example_pages = max(options.device_block_count, 4)
     fxb = aot.FxProgramsBuilder(model)
 
-    kinds = [(FunctionKind.PREFILL, options.prefill_final_logits)]
-    if options.prefill_last_functions and not options.prefill_final_logits:
-        kinds.append((FunctionKind.PREFILL_LAST, True))
-    kinds.append((FunctionKind.DECODE, True))
+    if model.config.is_diffusion:
+        kinds = [(FunctionKind.DENOISE, False)]
+    else:
+        kinds = [(FunctionKind.PREFILL, options.prefill_final_logits)]
+        if options.prefill_last_functions and not options.prefill_final_logits:
+            kinds.append((FunctionKind.PREFILL_LAST, True))
+        kinds.append((FunctionKind.DECODE, True))
     for kind, final_only in kinds:
-        traced_kind = FunctionKind.DECODE if kind is FunctionKind.DECODE else FunctionKind.PREFILL
+        traced_kind = FunctionKind.PREFILL if kind is FunctionKind.PREFILL_LAST else kind
         body = abi_functions(options, final_only)[traced_kind]
         names = argument_names(traced_kind, options.has_prefill_position)
-        sizes = options.decode_batch_sizes if kind is FunctionKind.DECODE else options.prefill_batch_sizes
+        sizes = {FunctionKind.DECODE: options.decode_batch_sizes,
+                 FunctionKind.DENOISE: options.denoise_batch_sizes}.get(kind, options.prefill_batch_sizes)
         for bs in sizes:
             started = time.monotonic()
             blocks = Dim("blocks", min=1, max=max_blocks)
@@ -91,6 +100,10 @@ def trace_module(model: PagedLlama, options: ExportOptions, log=print) -> aot.Ex
             # specializes them as equal.
             if kind is FunctionKind.DECODE:
                 tokens, tokens_dims = torch.zeros(bs, 1, dtype=torch.int64), {}
+            elif kind is FunctionKind.DENOISE:
+                # Any length: a dual-cache window is one block, which need not fill whole pages.
+                tokens = torch.zeros(bs, 2 * stride + 1, dtype=torch.int64)
+                tokens_dims = {1: Dim("window", min=2, max=options.max_seq_len)}
             else:
                 token_blocks = Dim("token_blocks", min=1, max=max_blocks)
                 tokens, tokens_dims = torch.zeros(bs, 2 * stride, dtype=torch.int64), {1: token_blocks * stride}

@@ -16,6 +16,8 @@ class ExportOptions:
     # No 1: IREE 3.13 compiles a batch-2 decode faster than a batch-1 one (18 vs 24 ms at
     # 384 tokens of context for SmolLM2), so a lone sequence decodes beside a padding row.
     decode_batch_sizes: tuple[int, ...] = (2, 4, 8)
+    # A diffusion LM exports denoise_bs<N> (and no prefill or decode) for these sizes.
+    denoise_batch_sizes: tuple[int, ...] = (1, 4)
     block_seq_stride: int = 16
     device_block_count: int = 256
     max_seq_len: int = 0  # 0: the model's context length, capped at 8192
@@ -41,7 +43,7 @@ class ExportOptions:
     def validate(self, context_length: int) -> "ExportOptions":
         """These options resolved for a model of `context_length` (sizes sorted, max_seq_len
         filled in), or an ExportError that names the option at fault."""
-        for name in ("prefill_batch_sizes", "decode_batch_sizes"):
+        for name in ("prefill_batch_sizes", "decode_batch_sizes", "denoise_batch_sizes"):
             sizes = getattr(self, name)
             if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
                 raise ExportError(f"{name} must be positive integers, got {list(sizes)}")
@@ -71,7 +73,8 @@ class ExportOptions:
         if max_seq_len % self.block_seq_stride:
             raise ExportError(f"block_seq_stride {self.block_seq_stride} does not divide max_seq_len {max_seq_len}")
         return replace(self, prefill_batch_sizes=tuple(sorted(set(self.prefill_batch_sizes))),
-                       decode_batch_sizes=tuple(sorted(set(self.decode_batch_sizes))), max_seq_len=max_seq_len)
+                       decode_batch_sizes=tuple(sorted(set(self.decode_batch_sizes))),
+                       denoise_batch_sizes=tuple(sorted(set(self.denoise_batch_sizes))), max_seq_len=max_seq_len)
 
 
 def parse_batch_sizes(text: str) -> list[int]:

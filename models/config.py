@@ -39,6 +39,16 @@ class LlamaConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     architecture: str = "llama"
     name: str = ""
+    # Diffusion LMs (LLaDA, Dream) see the whole sequence (no causal mask), start their output
+    # as a canvas of `mask_token_id`, and, with `logits_shift` 1 (Dream), the logits at
+    # position i predict token i + 1 rather than token i.
+    model_kind: str = "autoregressive"  # or "diffusion"
+    mask_token_id: int | None = None
+    logits_shift: int = 0
+
+    @property
+    def is_diffusion(self) -> bool:
+        return self.model_kind == "diffusion"
 
     def __post_init__(self):
         if not self.head_dim:

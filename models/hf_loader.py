@@ -1,4 +1,8 @@
-"""Load a Hugging Face model directory: config.json, safetensors (one file or sharded), tokenizer."""
+"""Load a Hugging Face model directory: config.json, safetensors (one file or sharded), tokenizer.
+
+The diffusion LMs' directories (diffusion_loader.py) differ only in config.json and tensor
+names, so the readers of the other parts are shared from here.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from .checkpoint import Checkpoint
 from .config import SUPPORTED_ARCHITECTURES, LlamaConfig
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
@@ -22,19 +26,35 @@ def _read_json(path: Path) -> dict:
         raise ModelLoadError(f"{path} is not valid JSON: {error}") from None
 
 
+def token_ids(value) -> list[int]:
+    """An id field that may be one id, a list of them, or absent."""
+    return [value] if isinstance(value, int) else list(value or [])
+
+
 def config_from_hf(values: dict, name: str = "") -> LlamaConfig:
     architectures = values.get("architectures") or []
     known = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
     if not known:
+        from .diffusion_loader import DIFFUSION_ARCHITECTURES
+
+        field = "architectures" if architectures else "model_type"
         found = ", ".join(architectures) or values.get("model_type", "unknown")
+        runs = sorted(SUPPORTED_ARCHITECTURES) + sorted(DIFFUSION_ARCHITECTURES)
         raise ModelLoadError(
-            f"unsupported architecture {found}: Kiln runs {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            f"unsupported architecture {found} (config.json {field}): Kiln runs {', '.join(runs)}"
         )
     architecture = SUPPORTED_ARCHITECTURES[known[0]]
-    eos = values.get("eos_token_id")
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    return llama_config(
+        values, name=name, architecture=architecture,
+        attention_bias=values.get("attention_bias", architecture == "qwen2"),
+    )
+
+
+def llama_config(values: dict, **decided) -> LlamaConfig:
+    """A LlamaConfig from config.json fields in HF Llama/Qwen2 names; `decided` sets the
+    fields the caller knows from the architecture (name, architecture, bias, diffusion)."""
     try:
-        return LlamaConfig(
+        fields = dict(
             vocab_size=values["vocab_size"],
             hidden_size=values["hidden_size"],
             intermediate_size=values["intermediate_size"],
@@ -47,20 +67,18 @@ def config_from_hf(values: dict, name: str = "") -> LlamaConfig:
             rope_scaling=values.get("rope_scaling"),
             max_position_embeddings=values.get("max_position_embeddings", 2048),
             tie_word_embeddings=values.get("tie_word_embeddings", False),
-            attention_bias=values.get("attention_bias", architecture == "qwen2"),
             bos_token_id=values.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            architecture=architecture,
-            name=name,
+            eos_token_ids=token_ids(values.get("eos_token_id")),
         )
     except KeyError as error:
         raise ModelLoadError(f"config.json lacks {error.args[0]}") from None
+    return LlamaConfig(**(fields | decided))
 
 
 def _safetensor_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.exists():
-        weight_map = _read_json(index).get("weight_map", {})
+        weight_map = read_json(index).get("weight_map", {})
         return [directory / name for name in sorted(set(weight_map.values()))]
     single = directory / "model.safetensors"
     if single.exists():
@@ -106,10 +124,26 @@ def _strip_prefix(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
+def read_safetensors(directory: Path) -> dict[str, np.ndarray]:
+    """Every tensor of the directory's safetensors (one file or an indexed set), as float32."""
+    return load_tensors(_safetensor_files(directory))
+
+
 def load_hf_directory(directory: Path) -> Checkpoint:
+    from .diffusion_loader import diffusion_kind, load_diffusion_directory  # it builds on this module
+
     directory = Path(directory)
-    config = config_from_hf(_read_json(directory / "config.json"), name=directory.name)
-    tensors = _strip_prefix(load_tensors(_safetensor_files(directory)))
+    values = read_json(directory / "config.json")
+    if diffusion_kind(values):
+        return load_diffusion_directory(directory, values)
+    config = config_from_hf(values, name=directory.name)
+    return checkpoint_with_tokenizer(directory, config, _strip_prefix(read_safetensors(directory)))
+
+
+def checkpoint_with_tokenizer(directory: Path, config: LlamaConfig,
+                              tensors: dict[str, np.ndarray]) -> Checkpoint:
+    """The Checkpoint of `config` and `tensors` (in Kiln's names) with the directory's
+    tokenizer.json (required), tokenizer_config.json and generation_config.json's stop ids."""
     if "lm_head.weight" not in tensors and not config.tie_word_embeddings:
         config.tie_word_embeddings = True  # some exports drop a tied head without saying so
     tokenizer_path = directory / "tokenizer.json"
@@ -117,11 +151,10 @@ def load_hf_directory(directory: Path) -> Checkpoint:
         raise ModelLoadError(f"{directory} has no tokenizer.json")
     tokenizer_config = {}
     if (directory / "tokenizer_config.json").exists():
-        tokenizer_config = _read_json(directory / "tokenizer_config.json")
+        tokenizer_config = read_json(directory / "tokenizer_config.json")
     generation = directory / "generation_config.json"
     if generation.exists():
-        eos = _read_json(generation).get("eos_token_id")
-        extra = [eos] if isinstance(eos, int) else list(eos or [])
+        extra = token_ids(read_json(generation).get("eos_token_id"))
         config.eos_token_ids = sorted(set(config.eos_token_ids) | set(extra))
     return Checkpoint(
         config=config,

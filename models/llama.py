@@ -3,7 +3,8 @@
 Read it top to bottom: RMSNorm, rotary embeddings, grouped-query attention,
 SwiGLU. `forward_paged` is what the export traces (prefill and decode are the
 same function with T new tokens at `start_pos`); `forward_reference` is a plain
-causal pass with no cache, the yardstick for the tests.
+pass with no cache, the yardstick for the tests. A diffusion LM (LLaDA, Dream) is the
+same math without the causal mask: every position sees every other one.
 
 Cache layout (the export/runtime contract, the README's ABI section): `cache[pages, page_elems]`,
 each page `[layers, 2 (k, v), kv_heads, block_seq_stride * head_dim]`: a K block is stored
@@ -140,7 +141,7 @@ class Attention(nn.Module):
             # output projection's data-tiled packing and needs a dynamic stack allocation.
             weights = weights / weights.sum(dim=(-2, -1), keepdim=True)
             out = torch.matmul(weights.view(n, kv_heads, group * t, s), values.float())
-        out = out.view(n, heads, t, d).transpose(1, 2).reshape(n, t, heads * d)
+        out = out.view(n, kv_heads, group, t, d).permute(0, 3, 1, 2, 4).reshape(n, t, heads * d)
         return self.o_proj(out.to(dtype))
 
 
@@ -184,6 +185,7 @@ class PagedLlama(nn.Module):
     def __init__(self, config: LlamaConfig, block_seq_stride: int = 16, gather_pages=index_pages):
         super().__init__()
         self.config = config
+        self.causal = not config.is_diffusion
         self.block_seq_stride = block_seq_stride
         self.gather_pages = gather_pages
         self.model = Backbone(config)
@@ -227,14 +229,15 @@ class PagedLlama(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight).float()
 
-    # -- reference: plain causal attention, no cache -----------------------------------
+    # -- reference: plain attention (causal unless a diffusion LM), no cache -----------
     def forward_reference(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits [N,T,V] of a full causal pass (every row is a whole sequence)."""
+        """Logits [N,T,V] of a full pass (every row is a whole sequence)."""
         n, t = tokens.shape
         h = self.model.embed_tokens(tokens)
         positions = torch.arange(t).unsqueeze(0).expand(n, t)
         cos, sin = self.rotary(positions, h.dtype)
-        mask = torch.ones(t, t, dtype=torch.bool).tril().view(1, 1, t, t)
+        mask = torch.ones(t, t, dtype=torch.bool)
+        mask = (mask.tril() if self.causal else mask).view(1, 1, t, t)
         for layer in self.model.layers:
             q, k, v = layer.self_attn.project(layer.input_layernorm(h), cos, sin)
             h = h + layer.self_attn.attend(q, k, v, mask)
@@ -253,7 +256,9 @@ class PagedLlama(nn.Module):
         """Hidden states [N,T,hidden] after writing the new K/V into the cache.
 
         Positions at or past seq_len are padding: their K/V go to page 0, which no
-        request owns, so a padded row can never corrupt a live page.
+        request owns, so a padded row can never corrupt a live page. A causal model's
+        query sees the keys up to its own position; a diffusion LM's sees every key below
+        seq_len, the cached ones past the window included (Fast-dLLM's dual cache).
         """
         c = self.config
         stride = self.block_seq_stride
@@ -274,7 +279,8 @@ class PagedLlama(nn.Module):
         # as an additive float bias built by integer arithmetic: a boolean mask would
         # reach the attention matmul's data-tiled layout as i1, which IREE cannot pack.
         key_pos = torch.arange(blocks * stride).view(1, 1, -1)
-        last_visible = torch.minimum(positions, seq_lens.view(n, 1) - 1).unsqueeze(-1)  # [N,T,1]
+        last_key = seq_lens.view(n, 1) - 1
+        last_visible = (torch.minimum(positions, last_key) if self.causal else last_key.expand(n, t)).unsqueeze(-1)
         hidden = (key_pos - last_visible).clamp(0, 1)  # [N,T,B*stride]: 1 = may not look
         bias = (hidden.float() * MASKED_SCORE).unsqueeze(1)  # [N,1,T,B*stride]
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 class Phase(str, enum.Enum):
     PREFILL = "prefill"  # write a chunk of each row's prompt (and sample where it completes one)
     DECODE = "decode"  # feed each row's last token and sample the next
+    DENOISE = "denoise"  # a diffusion LM's pass over each row's window (logits at every position)
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,10 @@ class Batch:
     tokens: tuple[tuple[int, ...], ...]  # the tokens each row feeds, from its start position
     block_tables: tuple[tuple[int, ...], ...]  # each row's pages in sequence order, covering its tokens
     samples: tuple[bool, ...]  # rows whose last logits are sampled: a completed prompt, every decode row
-    full_logits: tuple[bool, ...]  # prefill rows that need the logits at every position (prompt logprobs)
+    full_logits: tuple[bool, ...]  # rows that need the logits at every position (prompt logprobs, denoise)
+    # What each row's attention sees when it reaches past its tokens (a diffusion LM's window
+    # attends to cached K/V on both sides); empty: each row ends at its last token.
+    visible: tuple[int, ...] = ()
 
     @property
     def rows(self) -> int:
@@ -34,7 +38,9 @@ class Batch:
 
     @property
     def seq_lens(self) -> tuple[int, ...]:
-        """Tokens each row's sequence holds once this batch has run."""
+        """Tokens each row's attention covers: the sequence once this batch has run."""
+        if self.visible:
+            return self.visible
         return tuple(start + len(chunk) for start, chunk in zip(self.starts, self.tokens))
 
     @property

@@ -3,15 +3,16 @@
 Each step is three calls, as in nano-vllm: the scheduler decides a batch, the
 executor runs it, and the step's results are applied: sampled by the sampler,
 taken in by the scheduler (the one owner of sequence states), and turned into text
-and events by the output processor. Aborts are applied between steps, so pages
-never change hands while the device writes to them.
+and events by the output processor. A diffusion LM's pass is applied by its scheduler,
+whose newly committed tokens go out the same way. Aborts are applied between steps, so
+pages never change hands while the device writes to them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -20,7 +21,7 @@ from .executor import Executor
 from .invocation import InvocationError
 from .output_processor import OutputProcessor
 from .request import Request, Sequence, SequenceState
-from .sampling import Sampler
+from .sampling import SampleResult, Sampler
 from .scheduler import Scheduler
 
 log = logging.getLogger("kiln.batcher")
@@ -31,6 +32,11 @@ class BatcherCounters:
     steps: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
+    denoise_steps: int = 0
+    # A diffusion LM's passes by what they computed ("full", "prefix", "dual"), and how many
+    # passes committed each number of positions (the tokens-per-forward histogram).
+    forward_passes: dict = field(default_factory=dict)
+    committed_per_pass: dict = field(default_factory=dict)
     prompt_tokens: int = 0
     generated_tokens: int = 0
     failed_batches: int = 0
@@ -129,6 +135,10 @@ class Batcher:
     def postprocess(self, batch: Batch, logits: list[np.ndarray | None]) -> None:
         """Sample, let the scheduler apply the step, and send each sequence's new text."""
         self.counters.steps += 1
+        if batch.phase is Phase.DENOISE:
+            self.counters.denoise_steps += 1
+            self._apply_denoise(batch, logits)
+            return
         if batch.phase is Phase.PREFILL:
             self.counters.prefill_steps += 1
         else:
@@ -150,4 +160,24 @@ class Batcher:
             seq = seqs[i]
             if self.outputs.token(seq, sample, finishes[i]):
                 self.scheduler.finish(seq, "stop")
+            self._forget_if_done(seq.request)
+
+    def _apply_denoise(self, batch: Batch, logits: list[np.ndarray | None]) -> None:
+        """A diffusion LM's pass: the scheduler commits each canvas; the newly committed
+        tokens go out as text, left to right, as if sampled one by one."""
+        for update in self.scheduler.postprocess(batch, logits):
+            seq = update.seq
+            counters = self.counters
+            kind, committed = seq.canvas.last_pass_kind, seq.canvas.committed_per_pass[-1]
+            counters.forward_passes[kind] = counters.forward_passes.get(kind, 0) + 1
+            counters.committed_per_pass[committed] = counters.committed_per_pass.get(committed, 0) + 1
+            self.counters.generated_tokens += len(update.tokens)
+            for index, token in enumerate(update.tokens):
+                finish = update.finish if index == len(update.tokens) - 1 else None
+                if self.outputs.token(seq, SampleResult(token), finish):
+                    self.scheduler.finish(seq, "stop")
+                    break
+            else:
+                if update.finish is not None and not update.tokens:
+                    self.outputs.finish(seq, update.finish.reason)
             self._forget_if_done(seq.request)

@@ -86,6 +86,12 @@ class KilnParams:
     vocab_size: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
     prefill_final_logits: bool = False  # prefill returns [N, 1, V] at each row's last token
+    # A diffusion LM's export has denoise_bs<N> functions instead of prefill/decode; its
+    # canvas starts as mask tokens, and with logits_shift 1 output i predicts token i + 1.
+    model_kind: str = "autoregressive"  # or "diffusion"
+    denoise_batch_sizes: list[int] = field(default_factory=list)
+    mask_token_id: int | None = None
+    logits_shift: int = 0
 
     FIELD_NAMES = ()  # filled below
 

@@ -36,12 +36,16 @@ class FunctionKind(str, enum.Enum):
     PREFILL = "prefill"  # logits [N, T, V] at every position (shortfin's)
     PREFILL_LAST = "prefill_last"  # the same call, logits [N, 1, V] at each row's last token (Kiln's)
     DECODE = "decode"  # one token per row, logits [N, 1, V]
+    # A diffusion LM's forward: T tokens from start_pos, each seeing every key below seq_len
+    # (no causal mask), K/V written into the pages as prefill does; logits [N, T, V].
+    DENOISE = "denoise"
 
 
 _PREFILL_ARGUMENTS = ("tokens", "start_pos", "seq_lens", "seq_block_ids", "cache")
 _PREFILL_ARGUMENTS_NO_POSITION = ("tokens", "seq_lens", "seq_block_ids", "cache")
 _DECODE_ARGUMENTS = ("tokens", "seq_lens", "start_positions", "seq_block_ids", "cache")
-_FUNCTION_NAME = re.compile(r"^(prefill_last|prefill|decode)_bs([1-9][0-9]*)$")
+_FUNCTION_NAME = re.compile(r"^(prefill_last|prefill|decode|denoise)_bs([1-9][0-9]*)$")
+DIFFUSION = "diffusion"  # KilnParams.model_kind of a diffusion LM's export
 
 
 def function_name(kind: FunctionKind, batch_size: int) -> str:
@@ -60,14 +64,19 @@ def argument_names(kind: FunctionKind, has_prefill_position: bool) -> tuple[str,
     tokens [N, T] i64 (T a multiple of the stride for prefill, 1 for decode), start
     positions [N] i64, sequence lengths [N] i64, the block table [N, B] i64, the cache
     [pages, page_elems]. Without start positions, prefill writes each row from position 0.
+    Denoise takes prefill's arguments, with any T (a window need not fill whole pages).
     """
     if FunctionKind(kind) is FunctionKind.DECODE:
         return _DECODE_ARGUMENTS
+    if FunctionKind(kind) is FunctionKind.DENOISE:
+        return _PREFILL_ARGUMENTS
     return _PREFILL_ARGUMENTS if has_prefill_position else _PREFILL_ARGUMENTS_NO_POSITION
 
 
-def expected_functions(params: ModelParams, with_prefill_last: bool) -> list[str]:
+def expected_functions(params: ModelParams, with_prefill_last: bool, kiln: KilnParams | None = None) -> list[str]:
     """Every function an export with this config contains, in export order."""
+    if kiln is not None and kiln.model_kind == DIFFUSION:
+        return [function_name(FunctionKind.DENOISE, bs) for bs in kiln.denoise_batch_sizes]
     kinds = [FunctionKind.PREFILL] + ([FunctionKind.PREFILL_LAST] if with_prefill_last else [])
     names = [function_name(kind, bs) for kind in kinds for bs in params.prefill_batch_sizes]
     return names + [function_name(FunctionKind.DECODE, bs) for bs in params.decode_batch_sizes]
@@ -115,14 +124,25 @@ class Capabilities:
     prefill_returns_last_only: bool  # prefill_bs<N> itself returns [N, 1, V] (--prefill-final-logits)
     block_seq_stride: int
     max_seq_len: int
+    # A diffusion LM's: denoise sizes, the mask token, the logits shift (empty/None/0 for others).
+    denoise_batch_sizes: tuple[int, ...] = ()
+    mask_token_id: int | None = None
+    logits_shift: int = 0
+
+    @property
+    def is_diffusion(self) -> bool:
+        return bool(self.denoise_batch_sizes)
 
     @classmethod
     def of(cls, params: ModelParams, kiln: KilnParams, function_names) -> "Capabilities":
         """Check the functions against the config; raise ContractError naming what is missing."""
         present = set(function_names)
-        missing = [name for name in expected_functions(params, with_prefill_last=False) if name not in present]
+        missing = [name for name in expected_functions(params, False, kiln) if name not in present]
         if missing:
             raise ContractError(f"the module has no function {missing[0]} that the config lists")
+        diffusion = kiln.model_kind == DIFFUSION
+        if diffusion and (not kiln.denoise_batch_sizes or kiln.mask_token_id is None):
+            raise ContractError("a diffusion export's config must list denoise batch sizes and the mask token")
         if params.top_k is not None:
             raise ContractError("its functions return top-k values and ids, which Kiln does not serve: "
                                 "export without --top-k")
@@ -136,6 +156,9 @@ class Capabilities:
             prefill_returns_last_only=kiln.prefill_final_logits,
             block_seq_stride=params.block_seq_stride,
             max_seq_len=params.max_seq_len,
+            denoise_batch_sizes=tuple(sorted(kiln.denoise_batch_sizes)) if diffusion else (),
+            mask_token_id=kiln.mask_token_id if diffusion else None,
+            logits_shift=kiln.logits_shift if diffusion else 0,
         )
 
     @property

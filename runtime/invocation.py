@@ -38,6 +38,16 @@ def build_invocation(batch: Batch, abi: Capabilities, page_count: int, vocab_siz
             raise InvocationError("a decode row feeds exactly one token")
         name, last_only, kind = function_name(FunctionKind.DECODE, rows), True, FunctionKind.DECODE
         width = 1
+    elif batch.phase is Phase.DENOISE:
+        if rows not in abi.denoise_batch_sizes:
+            raise InvocationError(f"this export has no denoise function for a batch of {rows}")
+        name, last_only, kind = function_name(FunctionKind.DENOISE, rows), False, FunctionKind.DENOISE
+        width = max(len(chunk) for chunk in batch.tokens)
+        # A row shorter than the call is padded at its end: harmless only where the padding
+        # lies past what the row attends to (written to page 0), never over cached K/V.
+        for start, chunk, visible in zip(batch.starts, batch.tokens, batch.seq_lens):
+            if len(chunk) < width and start + len(chunk) < visible:
+                raise InvocationError("a denoise window that attends past its end cannot be padded")
     else:
         every_position = any(batch.full_logits)
         if every_position and not abi.every_position_logits:
@@ -47,16 +57,18 @@ def build_invocation(batch: Batch, abi: Capabilities, page_count: int, vocab_siz
         name, last_only = abi.prefill_function(rows, every_position)
         kind = FunctionKind.PREFILL
         width = -(-max(len(chunk) for chunk in batch.tokens) // stride) * stride
-    if any(batch.full_logits) and batch.phase is not Phase.PREFILL:
+    if any(batch.full_logits) and batch.phase is Phase.DECODE:
         raise InvocationError("logits at every position need a prefill")
+    if batch.visible and (len(batch.visible) != batch.rows or batch.phase is not Phase.DENOISE):
+        raise InvocationError("only a denoise batch attends past its tokens, one bound per row")
 
     tokens = np.zeros((rows, width), np.int64)
     starts = np.zeros(rows, np.int64)
     seq_lens = np.ones(rows, np.int64)  # padding rows: one token on page 0
-    for row, (start, chunk) in enumerate(zip(batch.starts, batch.tokens)):
+    for row, (start, chunk, seq_len) in enumerate(zip(batch.starts, batch.tokens, batch.seq_lens)):
         tokens[row, : len(chunk)] = chunk
         starts[row] = start
-        seq_lens[row] = start + len(chunk)
+        seq_lens[row] = seq_len
     blocks = -(-int(seq_lens.max()) // stride)
     table = np.zeros((rows, blocks), np.int64)
     for row, pages in enumerate(batch.block_tables):

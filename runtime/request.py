@@ -4,6 +4,7 @@ A `Request` is what a caller submits (prompt ids, sampling parameters, priority)
 it owns `n` `Sequence`s, one per completion. A sequence's state moves
 
     WAITING -> PREFILL -> DECODE -> FINISHED      (preempted: back to WAITING)
+    WAITING -> DENOISE -> FINISHED                 (a diffusion LM's canvas)
 
 and only the scheduler moves it; the output processor turns its tokens into `Event`s
 on the request's queue, which the caller reads through GenerateService.
@@ -28,11 +29,12 @@ class SequenceState(enum.Enum):
     WAITING = "waiting"  # queued, holding no pages
     PREFILL = "prefill"  # holding pages, its prompt (or, after preemption, its tokens) being written
     DECODE = "decode"  # holding pages, one token per step
+    DENOISE = "denoise"  # holding pages for its whole canvas, filled in over forward passes
     FINISHED = "finished"  # pages given back, its last event sent
 
     @property
     def holds_pages(self) -> bool:
-        return self in (SequenceState.PREFILL, SequenceState.DECODE)
+        return self in (SequenceState.PREFILL, SequenceState.DECODE, SequenceState.DENOISE)
 
 
 @dataclass
@@ -85,6 +87,8 @@ class Request:
     events: asyncio.Queue = field(default_factory=asyncio.Queue, repr=False)
     sequences: list["Sequence"] = field(default_factory=list, repr=False)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first sequence)
+    forward_passes: int = 0  # a diffusion LM's passes over this request's sequences (its NFE)
+    canvas_tokens: int = 0  # a diffusion LM's canvas per sequence: max_tokens rounded up to whole blocks
 
     @property
     def finished(self) -> bool:
@@ -114,6 +118,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.preemptions = 0
         self.last_served = 0  # when it was last in a decode batch (the scheduler's counter)
+        self.canvas = None  # a diffusion LM's: runtime.diffusion.canvas.Canvas, made when admitted
 
     # -- where the sequence stands ------------------------------------------------------
     @property

@@ -50,6 +50,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # OpenAI's: token id -> a bias added to its logit before sampling (logprobs stay the model's).
     logit_bias: dict[int, float] | None = None
+    # A diffusion LM's options (runtime.diffusion.params.DiffusionParams): the service fills
+    # in the defaults for a diffusion model and refuses them for an autoregressive one.
+    diffusion: Any = None
 
     def __post_init__(self):
         # OpenAI's `stop` may be one string; None means "not given" for both lists.

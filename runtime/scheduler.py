@@ -60,17 +60,18 @@ def smallest_fitting(sizes: tuple[int, ...], count: int) -> int:
     return next(size for size in sizes if size >= count)
 
 
-class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: BasePagedAttentionCache, eos_token_ids=()):
-        self.config = config
+class BaseScheduler:
+    """What every scheduler shares: the waiting queue (by priority, then arrival), the
+    sequences holding pages, and taking a sequence out wherever it is."""
+
+    def __init__(self, cache: BasePagedAttentionCache, eos_token_ids=()):
         self.cache = cache
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.waiting: list[tuple[tuple, Sequence]] = []  # heap by priority, then arrival
-        self.running: list[Sequence] = []  # holding pages: PREFILL or DECODE
+        self.running: list[Sequence] = []  # holding pages
         self._running_by_id: dict[int, Sequence] = {}
-        self.last_phase = Phase.DECODE
         self.preemptions = 0
-        self._served = 0  # stamps decode service order, for round-robin
+        self._served = 0  # stamps service order, for round-robin
 
     # -- membership -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -99,6 +100,26 @@ class Scheduler:
     def sequences_of(self, batch: Batch) -> list[Sequence | None]:
         """Each row's sequence, or None where it finished (was aborted) since the batch was made."""
         return [self._running_by_id.get(seq_id) for seq_id in batch.seq_ids]
+
+    def _start_running(self, seq: Sequence, state: SequenceState) -> None:
+        seq.state = state
+        self.running.append(seq)
+        self._running_by_id[seq.seq_id] = seq
+
+    def _stop_running(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        del self._running_by_id[seq.seq_id]
+        if seq.allocation is not None:
+            self.cache.publish_allocated_pages(seq.allocation, seq.tokens[: seq.computed])
+            self.cache.free_cache_pages(seq.allocation)
+            seq.allocation = None
+
+
+class Scheduler(BaseScheduler):
+    def __init__(self, config: SchedulerConfig, cache: BasePagedAttentionCache, eos_token_ids=()):
+        super().__init__(cache, eos_token_ids)
+        self.config = config
+        self.last_phase = Phase.DECODE
 
     # -- the decision -----------------------------------------------------------------
     def schedule(self) -> Batch | None:
@@ -141,9 +162,7 @@ class Scheduler:
             seq.computed = allocation.cached_tokens
             if seq.index == 0 and not seq.preemptions:
                 seq.request.cached_tokens = allocation.cached_tokens
-            seq.state = SequenceState.PREFILL
-            self.running.append(seq)
-            self._running_by_id[seq.seq_id] = seq
+            self._start_running(seq, SequenceState.PREFILL)
         for item in deferred:
             heapq.heappush(self.waiting, item)
 
@@ -251,11 +270,3 @@ class Scheduler:
         seq.preemptions += 1
         self.preemptions += 1
         self.add(seq)
-
-    def _stop_running(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        del self._running_by_id[seq.seq_id]
-        if seq.allocation is not None:
-            self.cache.publish_allocated_pages(seq.allocation, seq.tokens[: seq.computed])
-            self.cache.free_cache_pages(seq.allocation)
-            seq.allocation = None

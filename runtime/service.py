@@ -20,6 +20,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from .batcher import Batcher
+from .diffusion.checks import check_diffusion_request
+from .diffusion.scheduler import DiffusionScheduler, DiffusionSchedulerConfig
 from .contract import TOKENIZER_CONFIG_FILE, Artifacts
 from .errors import InvalidRequestError, ModelLoadError, NotReadyError, QueueFullError
 from .executor import Executor
@@ -57,6 +59,9 @@ class ServiceStats:
     generated_tokens: int
     preemptions: int
     steps: dict = field(default_factory=dict)
+    # A diffusion LM's passes by kind, and how many passes committed each number of positions.
+    forward_passes: dict = field(default_factory=dict)
+    committed_per_pass: dict = field(default_factory=dict)
 
 
 class GenerateService:
@@ -118,9 +123,11 @@ class GenerateService:
             log.warning("prefix sharing is off: this export's prefill takes no start position, "
                         "so a cached prefix cannot be skipped")
             prefix_sharing = "none"
+        if abi.is_diffusion:
+            prefix_sharing = "none"  # a diffusion prompt's K/V depend on the canvas after it
         cache_class = TriePagedAttentionCache if prefix_sharing == "trie" else PlainPagedAttentionCache
         cache = cache_class(pool, abi.block_seq_stride)
-        scheduler = Scheduler(
+        scheduler = self._diffusion_scheduler(abi, cache) if abi.is_diffusion else Scheduler(
             SchedulerConfig(
                 prefill_batch_sizes=abi.prefill_batch_sizes,
                 decode_batch_sizes=abi.decode_batch_sizes,
@@ -142,6 +149,16 @@ class GenerateService:
             artifacts.vmfb, page_count, abi.block_seq_stride,
             page_count * page_bytes / 2**20, time.monotonic() - started,
         )
+
+    def _diffusion_scheduler(self, abi, cache) -> DiffusionScheduler:
+        config = DiffusionSchedulerConfig(
+            denoise_batch_sizes=abi.denoise_batch_sizes,
+            block_seq_stride=abi.block_seq_stride,
+            max_running=self.config.max_running,
+            mask_token_id=abi.mask_token_id,
+            logits_shift=abi.logits_shift,
+        )
+        return DiffusionScheduler(config, cache, self.eos_token_ids)
 
     def _eos_from_tokenizer(self) -> list[int]:
         token = self.tokenizer_config.get("eos_token")
@@ -216,22 +233,31 @@ class GenerateService:
                                       f"(0..{self.vocab_size - 1})", param=param)
         return ids
 
+    @property
+    def is_diffusion(self) -> bool:
+        return self.program is not None and self.program.capabilities.is_diffusion
+
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError for anything the device must never see (cheapest checks first)."""
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         params.validate(self.vocab_size)
         total = len(prompt_ids) + params.max_tokens
+        if self.is_diffusion:
+            total = len(prompt_ids) + check_diffusion_request(params, self.program.capabilities).canvas_length
+        elif params.diffusion is not None:
+            raise InvalidRequestError("diffusion options (steps, block_length, ...) apply only to diffusion models",
+                                      param="steps")
         if len(prompt_ids) >= self.max_seq_len or total > self.max_seq_len:
             raise InvalidRequestError(
                 f"this model's maximum context length is {self.max_seq_len} tokens, but {len(prompt_ids)} prompt "
-                f"tokens + {params.max_tokens} max_tokens were requested", param="max_tokens",
+                f"tokens + {total - len(prompt_ids)} generated tokens were requested", param="max_tokens",
             )
         self.check_token_ids(prompt_ids)
         if params.prompt_logprobs is not None and not self.program.capabilities.every_position_logits:
             raise InvalidRequestError("prompt logprobs need every position's logits: this export's prefill "
                                       "returns the last", param="prompt_logprobs")
-        pages = self.cache.pages_for(total)
+        pages = self.cache.pages_for(total) * (2 if params.diffusion is not None and params.diffusion.cfg_scale else 1)
         if pages > self.pool.total:
             raise InvalidRequestError(
                 f"the request needs {pages} KV-cache pages and the cache has {self.pool.total}: "
@@ -256,6 +282,8 @@ class GenerateService:
         if self.batcher.scheduler.waiting_count >= self.config.max_queue:
             raise QueueFullError(f"the queue is full ({self.config.max_queue} requests waiting): retry later")
         request = Request(list(prompt_ids), params, request_id or uuid.uuid4().hex, priority=priority)
+        if params.diffusion is not None:
+            request.canvas_tokens = params.diffusion.plan(params.max_tokens).canvas_length
         try:
             self.batcher.submit(request)
         except ValueError as error:
@@ -295,5 +323,8 @@ class GenerateService:
             prompt_tokens=counters.prompt_tokens,
             generated_tokens=counters.generated_tokens,
             preemptions=scheduler.preemptions,
-            steps={"prefill": counters.prefill_steps, "decode": counters.decode_steps, "failed": counters.failed_batches},
+            steps={"prefill": counters.prefill_steps, "decode": counters.decode_steps,
+                   "denoise": counters.denoise_steps, "failed": counters.failed_batches},
+            forward_passes=dict(counters.forward_passes),
+            committed_per_pass=dict(counters.committed_per_pass),
         )

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from kiln.runtime.diffusion.params import DEFAULT_CANVAS_TOKENS
 from kiln.runtime.errors import InvalidRequestError, ModelNotFoundError
 from kiln.runtime.request import Completion, Event, Request, TokenLogprob
 from kiln.runtime.sampling import SamplingParams
@@ -40,8 +41,10 @@ def check_n(settings: ServerSettings, n_values) -> None:
 
 
 def rest_of_context(service: GenerateService, prompt: list[int]) -> int:
-    """The default max_tokens where a route has none of its own: what is left of the context."""
-    return max(1, service.context_capacity - len(prompt))
+    """The default max_tokens where a route has none of its own: what is left of the context
+    (for a diffusion LM, whose every pass computes the whole canvas, LLaDA's default length at most)."""
+    rest = max(1, service.context_capacity - len(prompt))
+    return min(rest, DEFAULT_CANVAS_TOKENS) if service.is_diffusion else rest
 
 
 # One sequence's accumulated output.
@@ -61,14 +64,23 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # A diffusion LM's: forward passes (NFE) and the canvas each sequence got (max_tokens
+    # rounded up to whole blocks); None for an autoregressive model.
+    forward_passes: int | None = None
+    canvas_tokens: int | None = None
 
     def to_json(self) -> dict:
-        return {
+        usage = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.forward_passes is not None:
+            usage["forward_passes"] = self.forward_passes
+            usage["tokens_per_forward"] = round(self.completion_tokens / max(1, self.forward_passes), 3)
+            usage["canvas_tokens"] = self.canvas_tokens
+        return usage
 
 
 class Generation:
@@ -151,11 +163,15 @@ class Generation:
         return results
 
     def usage(self) -> Usage:
-        return Usage(
+        usage = Usage(
             prompt_tokens=sum(len(ids) for ids in self.prompts),
             completion_tokens=self.completion_tokens,
             cached_tokens=sum(r.cached_tokens for r in self.requests),
         )
+        if self.service.is_diffusion:
+            usage.forward_passes = sum(r.forward_passes for r in self.requests)
+            usage.canvas_tokens = max((r.canvas_tokens for r in self.requests), default=0)
+        return usage
 
     def abort(self) -> None:
         """Stop whatever is still running (idempotent; finished requests are left alone)."""

@@ -8,7 +8,7 @@ when /metrics is scraped, never copied.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from kiln.runtime.service import GenerateService
@@ -16,6 +16,7 @@ from kiln.runtime.service import GenerateService
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+_TOKENS_PER_FORWARD_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8, 25.6, 60.0, 120.0)
 
 
@@ -52,6 +53,25 @@ class ServiceCollector(Collector):
         for kind, count in stats.steps.items():
             steps.add_metric([kind], count)
         yield steps
+        if stats.forward_passes or self.service.is_diffusion:
+            yield from diffusion_metrics(stats)
+
+
+def diffusion_metrics(stats):
+    """A diffusion LM's forward passes per sequence, by what they computed, and the tokens each committed."""
+    passes = CounterMetricFamily("kiln_diffusion_forward_passes", "a diffusion LM's forward passes per sequence, "
+                                 "by window: full sequence, cached prefix, dual cache", labels=["kind"])
+    for kind in ("full", "prefix", "dual"):
+        passes.add_metric([kind], stats.forward_passes.get(kind, 0))
+    yield passes
+    committed = stats.committed_per_pass  # positions committed -> passes that committed that many
+    cumulative = [(str(bound), sum(count for tokens, count in committed.items() if tokens <= bound))
+                  for bound in _TOKENS_PER_FORWARD_BUCKETS]
+    yield HistogramMetricFamily(
+        "kiln_diffusion_tokens_per_forward", "positions a diffusion LM's forward pass committed, per sequence",
+        buckets=cumulative + [("+Inf", sum(committed.values()))],
+        sum_value=sum(tokens * count for tokens, count in committed.items()),
+    )
 
 
 class Metrics:

@@ -91,7 +91,8 @@ async def completions(body: CompletionRequest, request: Request):
     # scored; one token is generated to run the prefill, and dropped.
     echo_only = body.echo and body.max_tokens == 0
     max_tokens = 1 if echo_only else (16 if body.max_tokens is None else body.max_tokens)
-    params = openai_params(body, max_tokens, logprobs, prompt_logprobs=logprobs if body.echo else None)
+    params = openai_params(body, max_tokens, logprobs, prompt_logprobs=logprobs if body.echo else None,
+                           diffusion_model=service.is_diffusion)
     completion_id = f"cmpl-{uuid.uuid4().hex}"
     generation = Generation(service, state.metrics, prompts, [params] * len(prompts),
                             [f"{completion_id}-{i}" for i in range(len(prompts))], body.priority).submit()
@@ -205,7 +206,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
         max_tokens = rest_of_context(service, prompt)
-    params = openai_params(body, max_tokens, logprobs)
+    params = openai_params(body, max_tokens, logprobs, diffusion_model=service.is_diffusion)
     chat_id = f"chatcmpl-{uuid.uuid4().hex}"
     generation = Generation(service, state.metrics, [prompt], [params], [chat_id], body.priority).submit()
     header = {"id": chat_id, "created": int(time.time()), "model": body.model or settings.model_name,

@@ -7,12 +7,15 @@ shapes sampling). Range checks are SamplingParams.validate's, through check_requ
 
 from __future__ import annotations
 
+from kiln.runtime.diffusion.params import DiffusionParams
 from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.sampling import MAX_LOGPROBS, SamplingParams
 
-from .protocol import OpenAISampling, ShortfinSamplingParams
+from .protocol import DiffusionFields, OpenAISampling, ShortfinSamplingParams
 
 SHORTFIN_MAX_COMPLETION_TOKENS = 50
+PARALLEL_DECODING_THRESHOLD = 0.9  # Fast-dLLM's default, what dfastllm's parallel_decoding turns on
+APD_FIELDS = ("apd_mixture_weight", "apd_kv_window", "apd_max_lookahead")
 
 
 def logit_bias(given: dict[str, float] | None) -> dict[int, float] | None:
@@ -25,11 +28,45 @@ def logit_bias(given: dict[str, float] | None) -> dict[int, float] | None:
         raise InvalidRequestError("logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
 
 
+def diffusion_params(body: DiffusionFields, diffusion_model: bool) -> DiffusionParams | None:
+    """The request's diffusion options, aliases resolved; None when it gives none. Given to
+    an autoregressive model they are refused (by the service, naming the field)."""
+    steps = _one_of(body, "steps", "num_denoising_steps")
+    threshold = _one_of(body, "threshold", "confidence_threshold")
+    if body.parallel_decoding and threshold is None:
+        threshold = PARALLEL_DECODING_THRESHOLD
+    elif body.parallel_decoding is False and threshold is not None:
+        raise InvalidRequestError("parallel_decoding false contradicts a threshold", param="parallel_decoding")
+    for name in APD_FIELDS:
+        if getattr(body, name) is not None:
+            raise InvalidRequestError(f"{name} needs a server started with an APD verifier (--apd-verifier)",
+                                      param=name)
+    given = {"steps": steps, "block_length": body.block_length, "remasking": body.remasking,
+             "confidence": body.confidence, "threshold": threshold, "cache": body.cache, "cfg_scale": body.cfg_scale}
+    given = {name: value for name, value in given.items() if value is not None}
+    if not given:
+        return None
+    if not diffusion_model:
+        first = next(iter(given))
+        raise InvalidRequestError(f"{first} applies only to diffusion models; this server serves an "
+                                  "autoregressive one", param=first)
+    return DiffusionParams(**given)
+
+
+def _one_of(body: DiffusionFields, name: str, alias: str):
+    value, other = getattr(body, name), getattr(body, alias)
+    if value is not None and other is not None and value != other:
+        raise InvalidRequestError(f"{name} and its alias {alias} disagree", param=alias)
+    return value if value is not None else other
+
+
 def openai_params(body: OpenAISampling, max_tokens: int, logprobs: int | None = None,
-                  prompt_logprobs: int | None = None) -> SamplingParams:
+                  prompt_logprobs: int | None = None, diffusion_model: bool = False) -> SamplingParams:
+    # A diffusion LM denoises greedily unless asked (LLaDA's and Fast-dLLM's default).
+    temperature = body.temperature if body.temperature is not None or not diffusion_model else 0.0
     return SamplingParams.from_kwargs(
         max_tokens=max_tokens,
-        temperature=body.temperature,
+        temperature=temperature,
         top_p=body.top_p,
         top_k=body.top_k,
         min_p=body.min_p,
@@ -46,6 +83,7 @@ def openai_params(body: OpenAISampling, max_tokens: int, logprobs: int | None = 
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         logit_bias=logit_bias(body.logit_bias),
+        diffusion=diffusion_params(body, diffusion_model),
     )
 
 
@@ -55,7 +93,7 @@ def check_logprobs(value: int | None, param: str) -> int | None:
     return value
 
 
-def shortfin_params(sp: ShortfinSamplingParams) -> SamplingParams:
+def shortfin_params(sp: ShortfinSamplingParams, diffusion_model: bool = False) -> SamplingParams:
     if sp.use_beam_search:
         raise InvalidRequestError("beam search is not supported: use n for independent samples", param="use_beam_search")
     max_tokens = sp.max_completion_tokens if sp.max_completion_tokens is not None else sp.max_new_tokens
@@ -75,4 +113,5 @@ def shortfin_params(sp: ShortfinSamplingParams) -> SamplingParams:
         frequency_penalty=sp.frequency_penalty,
         ignore_eos=sp.ignore_eos,
         skip_special_tokens=sp.skip_special_tokens,
+        diffusion=diffusion_params(sp, diffusion_model),
     )

@@ -16,7 +16,29 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's; accepted, usage comes at the end
 
 
-class OpenAISampling(BaseModel):
+class DiffusionFields(BaseModel):
+    """A diffusion LM's options (refused for an autoregressive model), with dfastllm's and
+    dlmserve's spellings as aliases: num_denoising_steps is steps, confidence_threshold is
+    threshold, and parallel_decoding turns the threshold rule on (at 0.9 unless given)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    steps: int | None = None
+    num_denoising_steps: int | None = None
+    block_length: int | None = None
+    remasking: str | None = None
+    confidence: str | None = None
+    threshold: float | None = None
+    confidence_threshold: float | None = None
+    parallel_decoding: bool | None = None
+    cache: str | None = None
+    cfg_scale: float | None = None
+    apd_mixture_weight: float | None = None
+    apd_kv_window: int | None = None
+    apd_max_lookahead: int | None = None
+
+
+class OpenAISampling(DiffusionFields):
     """What /v1/completions and /v1/chat/completions share, with vLLM's extra sampling fields."""
 
     model_config = ConfigDict(extra="ignore")
@@ -86,7 +108,7 @@ class ChatCompletionRequest(OpenAISampling):
 
 # -- shortfin's /generate (shortfin_apps/llm/components/io_struct.py) -----------------------
 
-class ShortfinSamplingParams(BaseModel):
+class ShortfinSamplingParams(DiffusionFields):
     model_config = ConfigDict(extra="ignore")
 
     n: int | None = None

@@ -78,6 +78,43 @@ def tiny_gguf_artifacts(tiny_gguf, tmp_path_factory) -> Path:
     return _export_and_compile(tiny_gguf, tmp_path_factory.mktemp("tiny-gguf-artifacts"))
 
 
+# The diffusion LMs' export: denoise sizes 1 and 4 (guidance takes two rows), the tiny context.
+DIFFUSION_EXPORT_ARGS = ["--bs-denoise", "1,4", "--block-seq-stride", "16", "--max-seq-len", "256",
+                         "--device-block-count", "64"]
+
+
+@pytest.fixture(scope="session")
+def tiny_llada_hf(tmp_path_factory) -> Path:
+    from tests.diffusion_model import write_tiny_llada
+
+    return write_tiny_llada(tmp_path_factory.mktemp("tiny-llada-hf"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dream_hf(tmp_path_factory) -> Path:
+    from tests.diffusion_model import write_tiny_dream
+
+    return write_tiny_dream(tmp_path_factory.mktemp("tiny-dream-hf"))
+
+
+def _export_diffusion(model: Path, out: Path) -> Path:
+    run_kiln("export-model", "--model", str(model), "--output-dir", str(out), *DIFFUSION_EXPORT_ARGS)
+    run_kiln("compile-vmfb", str(out / "model.mlir"), "--target", "cpu", "-o", str(out / "model_cpu.vmfb"))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llada_artifacts(tiny_llada_hf, tmp_path_factory) -> Path:
+    """The tiny LLaDA (unshifted logits), exported with denoise functions and compiled for the CPU."""
+    return _export_diffusion(tiny_llada_hf, tmp_path_factory.mktemp("tiny-llada-artifacts"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dream_artifacts(tiny_dream_hf, tmp_path_factory) -> Path:
+    """The tiny Dream (shifted logits, q/k/v bias), likewise."""
+    return _export_diffusion(tiny_dream_hf, tmp_path_factory.mktemp("tiny-dream-artifacts"))
+
+
 @pytest.fixture(scope="session")
 def fake_model_dir(tiny_checkpoint, tmp_path_factory) -> Path:
     """Artifacts for tests/fake_program.py's FakeProgram: a config and the tiny tokenizer, no VMFB."""

@@ -56,14 +56,16 @@ DEFAULT_CONFIG = dict(
 )
 
 
-def make_tiny_tokenizer(vocab_size: int = 384, add_bos: bool = True) -> Tokenizer:
-    """A byte-level BPE trained on CORPUS to exactly `vocab_size` tokens (deterministic)."""
+def make_tiny_tokenizer(vocab_size: int = 384, add_bos: bool = True,
+                        special_tokens: list[str] = SPECIAL_TOKENS) -> Tokenizer:
+    """A byte-level BPE trained on CORPUS to exactly `vocab_size` tokens (deterministic);
+    `special_tokens` take the first ids, in order."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -79,7 +81,8 @@ def make_tiny_tokenizer(vocab_size: int = 384, add_bos: bool = True) -> Tokenize
     return tok
 
 
-def _weights(config: LlamaConfig, seed: int) -> dict[str, np.ndarray]:
+def random_weights(config: LlamaConfig, seed: int) -> dict[str, np.ndarray]:
+    """Seeded random weights in Kiln's (HF) tensor names, scaled to keep activations near 1."""
     rng = np.random.default_rng(seed)
     c = config
 
@@ -112,11 +115,9 @@ def _weights(config: LlamaConfig, seed: int) -> dict[str, np.ndarray]:
     return t
 
 
-def make_tiny_checkpoint(seed: int = 0, add_bos: bool = True, **overrides) -> Checkpoint:
-    """A tiny random Llama; `overrides` replace LlamaConfig fields (e.g. tie_word_embeddings=True)."""
-    config = LlamaConfig(**{**DEFAULT_CONFIG, **overrides})
-    tokenizer = make_tiny_tokenizer(config.vocab_size, add_bos=add_bos)
-    tokenizer_config = {
+def tiny_tokenizer_config(add_bos: bool, model_max_length: int, **extra) -> dict:
+    """tokenizer_config.json for the tiny tokenizer, with the ChatML template."""
+    return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<s>",
         "eos_token": "</s>",
@@ -126,12 +127,19 @@ def make_tiny_checkpoint(seed: int = 0, add_bos: bool = True, **overrides) -> Ch
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "chat_template": CHATML_TEMPLATE,
-        "model_max_length": config.max_position_embeddings,
+        "model_max_length": model_max_length,
+        **extra,
     }
+
+
+def make_tiny_checkpoint(seed: int = 0, add_bos: bool = True, **overrides) -> Checkpoint:
+    """A tiny random Llama; `overrides` replace LlamaConfig fields (e.g. tie_word_embeddings=True)."""
+    config = LlamaConfig(**{**DEFAULT_CONFIG, **overrides})
+    tokenizer = make_tiny_tokenizer(config.vocab_size, add_bos=add_bos)
     return Checkpoint(
         config=config,
-        tensors=_weights(config, seed),
+        tensors=random_weights(config, seed),
         tokenizer_json=tokenizer.to_str(),
-        tokenizer_config=tokenizer_config,
+        tokenizer_config=tiny_tokenizer_config(add_bos, config.max_position_embeddings),
         source=f"tiny(seed={seed})",
     )

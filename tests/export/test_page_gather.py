@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kiln.export.page_gather import gather_pages
+from kiln.models.llama import index_pages
 
 
 def test_eager_gather_is_indexing():
@@ -15,6 +16,7 @@ def test_eager_gather_is_indexing():
     out = gather_pages(pages, index)
     assert out.shape == (2, 2, 2, 4, 8)
     assert torch.equal(out, pages[index])
+    assert torch.equal(out, index_pages(pages, index))  # the model's eager default computes the same
 
 
 @pytest.mark.e2e

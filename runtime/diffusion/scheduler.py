@@ -1,0 +1,154 @@
+"""Decides which diffusion sequences share the next `denoise` call, and applies its results.
+
+A diffusion sequence takes the pages for its whole sequence (prompt and canvas; twice
+with classifier-free guidance) when it is admitted, so it never grows and is never
+preempted: one that does not fit waits, in priority order, as an autoregressive one
+does. Rows of one call must have the same width: windows that end where their
+attention ends (whole-sequence passes) are padded to a common width of whole pages,
+the others (a cached block) are grouped by exact width. Prefix sharing is off: a
+diffusion prompt's K/V depend on the canvas after it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..batch import Batch, Phase
+from ..kvcache.base import BasePagedAttentionCache
+from ..request import Sequence, SequenceState
+from ..scheduler import BaseScheduler, Finish, smallest_fitting
+from .canvas import Canvas, Window
+
+
+@dataclass(frozen=True)
+class DiffusionSchedulerConfig:
+    denoise_batch_sizes: tuple[int, ...]  # ascending, as exported
+    block_seq_stride: int
+    max_running: int
+    mask_token_id: int
+    logits_shift: int
+
+
+@dataclass(frozen=True)
+class DenoiseUpdate:
+    """What one pass gave a sequence: tokens newly committed without a gap, and maybe its end."""
+
+    seq: Sequence
+    tokens: list[int]
+    finish: Finish | None
+
+
+class DiffusionScheduler(BaseScheduler):
+    def __init__(self, config: DiffusionSchedulerConfig, cache: BasePagedAttentionCache, eos_token_ids=()):
+        super().__init__(cache, eos_token_ids)
+        self.config = config
+        self._guidance_pages = {}  # seq_id -> the allocation of its prompt-masked twin (cfg)
+
+    @staticmethod
+    def rows_of(seq: Sequence) -> int:
+        """Rows a sequence takes in a call: two with classifier-free guidance (its twin's prompt masked)."""
+        return 2 if seq.params.diffusion.cfg_scale else 1
+
+    # -- the decision -----------------------------------------------------------------
+    def schedule(self) -> Batch | None:
+        self._admit()
+        if not self.running:
+            return None
+        order = sorted(self.running, key=lambda s: (s.request.priority, s.last_served, s.seq_id))
+        windows = {seq.seq_id: seq.canvas.window() for seq in order}
+        group = self._group_key(windows[order[0].seq_id])
+        capacity = self.config.denoise_batch_sizes[-1]
+        chosen: list[Sequence] = []
+        rows = 0
+        for seq in order:
+            if self._group_key(windows[seq.seq_id]) == group and rows + self.rows_of(seq) <= capacity:
+                chosen.append(seq)
+                rows += self.rows_of(seq)
+        seq_ids, starts, tokens, tables, visible = [], [], [], [], []
+        for seq in chosen:
+            self._served += 1
+            seq.last_served = self._served
+            window = windows[seq.seq_id]
+            for row_tokens, allocation in ((window.tokens, seq.allocation),
+                                           (window.unconditional, self._guidance_pages.get(seq.seq_id))):
+                if row_tokens is None:
+                    continue
+                seq_ids.append(seq.seq_id)
+                starts.append(window.start)
+                tokens.append(tuple(int(t) for t in row_tokens))
+                tables.append(tuple(allocation.pages))
+                visible.append(window.visible)
+        size = smallest_fitting(self.config.denoise_batch_sizes, len(seq_ids))
+        every = (True,) * len(seq_ids)
+        return Batch(Phase.DENOISE, size, tuple(seq_ids), tuple(starts), tuple(tokens), tuple(tables), every, every,
+                     tuple(visible))
+
+    def _group_key(self, window: Window) -> tuple:
+        if window.start + window.width == window.visible:  # padding lands past its attention: pad to whole pages
+            stride = self.config.block_seq_stride
+            return ("padded", -(-window.width // stride) * stride)
+        return ("exact", window.width)
+
+    def _admit(self) -> None:
+        """Move waiting sequences to DENOISE, in priority order, while pages allow."""
+        while self.waiting and len(self.running) < self.config.max_running:
+            seq = self.waiting[0][1]
+            plan = seq.params.diffusion.plan(seq.params.max_tokens)
+            length = seq.prompt_len + plan.canvas_length
+            main = self.cache.acquire_pages_for_tokens([], extra_token_slots=length)
+            if main is None:
+                return  # keep priority order: nothing younger jumps the queue
+            if self.rows_of(seq) == 2:
+                twin = self.cache.acquire_pages_for_tokens([], extra_token_slots=length)
+                if twin is None:
+                    self.cache.free_cache_pages(main)
+                    return
+                self._guidance_pages[seq.seq_id] = twin
+            heapq.heappop(self.waiting)
+            seq.allocation = main
+            if seq.canvas is None:
+                seq.canvas = Canvas(seq.prompt_ids, plan, self.config.mask_token_id,
+                                    self.config.logits_shift, seq.params.temperature, seq.rng)
+            self._start_running(seq, SequenceState.DENOISE)
+
+    # -- after a step -----------------------------------------------------------------
+    def postprocess(self, batch: Batch, logits: list[np.ndarray]) -> list[DenoiseUpdate]:
+        """Commit each sequence's pass; append what is committed without a gap (cut at a stop
+        token) to its tokens, and finish it there or once its canvas is full."""
+        rows: dict[int, list[np.ndarray]] = {}
+        for seq_id, row_logits in zip(batch.seq_ids, logits):
+            rows.setdefault(seq_id, []).append(row_logits)
+        updates = []
+        for seq_id, (conditional, *unconditional) in rows.items():
+            seq = self._running_by_id.get(seq_id)
+            if seq is None:  # aborted while the batch ran
+                continue
+            canvas = seq.canvas
+            canvas.commit(conditional, unconditional[0] if unconditional else None)
+            seq.request.forward_passes += 1
+            new = canvas.tokens[seq.prompt_len + seq.generated : seq.prompt_len + canvas.committed_prefix()].tolist()
+            finish = None
+            for index, token in enumerate(new):
+                if self._stops(seq, token):
+                    new, finish = new[: index + 1], Finish("stop", token)
+                    break
+            if finish is None and canvas.done:
+                finish = Finish("length")
+            seq.tokens.extend(new)
+            if finish is not None:
+                self.finish(seq, finish.reason)
+            updates.append(DenoiseUpdate(seq, new, finish))
+        return updates
+
+    def _stops(self, seq: Sequence, token: int) -> bool:
+        return (token in self.eos_token_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids
+
+    def _stop_running(self, seq: Sequence) -> None:
+        twin = self._guidance_pages.pop(seq.seq_id, None)
+        if twin is not None:
+            self.cache.free_cache_pages(twin)
+        seq.computed = 0  # nothing is published: a diffusion prompt's K/V depend on its canvas
+        super()._stop_running(seq)
