@@ -104,7 +104,9 @@ def load_tensors(files: list[Path]) -> dict[str, np.ndarray]:
         except TypeError:
             # numpy has no bfloat16: read through torch's loader when weights are bf16.
             loaded = _load_bf16_file(path)
-        tensors.update(loaded)
+        # Once ml_dtypes is imported numpy does know bfloat16, and the file loads as such:
+        # widen it, as above, since torch cannot take those arrays.
+        tensors.update({name: t.astype(np.float32) if t.dtype.name == "bfloat16" else t for name, t in loaded.items()})
     return tensors
 
 
