@@ -78,6 +78,9 @@ def add_command(commands) -> None:
     engine.add_argument("--max-prefill-tokens", type=_non_negative_int, default=defaults.prefill_token_budget,
                         metavar="N", help="while requests stream, at most N prompt tokens per prefill step, "
                         "the longest pause between their tokens (default: %(default)s; 0: no cap; raise it on a GPU)")
+    engine.add_argument("--apd-verifier", type=Path, metavar="PATH",
+                        help="with a diffusion model: an autoregressive model with the same tokenizer that "
+                        "verifies APD drafts (an artifacts directory, or an HF directory / .gguf built first)")
     engine.add_argument("--kv-cache-pages", type=_non_negative_int, default=defaults.page_count, metavar="N",
                         help="KV-cache pages (default: the export's device_block_count)")
     parser.set_defaults(run=run_serve)
@@ -94,6 +97,26 @@ def resolve_in_child(args):
 
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(resolve_artifacts, args).result()
+
+
+def verifier_artifacts(args):
+    """The APD verifier's artifacts: a directory of them as it is, or a model built (in a child
+    process) before the server starts."""
+    from kiln.runtime.contract import CONFIG_FILE
+
+    if args.apd_verifier is None:
+        return None
+    path = Path(args.apd_verifier)
+    if not path.exists():
+        from kiln.runtime.errors import ModelLoadError
+
+        raise ModelLoadError(f"APD verifier path {path} does not exist")
+    choice = argparse.Namespace(**{**vars(args), "vmfb": None, "params": None, "config": None, "tokenizer": None})
+    if (path / CONFIG_FILE).is_file():
+        choice.artifacts, choice.model = path, None
+        return resolve_artifacts(choice)
+    choice.artifacts, choice.model = None, path
+    return resolve_in_child(choice)
 
 
 def default_model_names(args, artifacts) -> list[str]:
@@ -156,5 +179,6 @@ def run_serve(args) -> int:
         max_running=args.max_running,
         max_queue=args.max_queue,
         prefill_token_budget=args.max_prefill_tokens,
+        apd_verifier=verifier_artifacts(args),
     )
     return serve(service_config, settings, log_level=args.log_level, prepare=prepare)

@@ -16,6 +16,7 @@ class Phase(str, enum.Enum):
     PREFILL = "prefill"  # write a chunk of each row's prompt (and sample where it completes one)
     DECODE = "decode"  # feed each row's last token and sample the next
     DENOISE = "denoise"  # a diffusion LM's pass over each row's window (logits at every position)
+    VERIFY = "verify"  # APD: the verifier's prefill over each row's draft (logits at every position)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ class BatcherCounters:
     prefill_steps: int = 0
     decode_steps: int = 0
     denoise_steps: int = 0
+    verify_steps: int = 0  # APD's verifier calls
     # A diffusion LM's passes by what they computed ("full", "prefix", "dual"), and how many
     # passes committed each number of positions (the tokens-per-forward histogram).
     forward_passes: dict = field(default_factory=dict)
@@ -43,9 +44,12 @@ class BatcherCounters:
 
 
 class Batcher:
-    def __init__(self, scheduler: Scheduler, executor: Executor, outputs: OutputProcessor, sampler: Sampler):
+    def __init__(self, scheduler: Scheduler, executor: Executor, outputs: OutputProcessor, sampler: Sampler,
+                 verifier: Executor | None = None):
+        """`verifier`, with APD: the autoregressive model that runs the scheduler's VERIFY batches."""
         self.scheduler = scheduler
         self.executor = executor
+        self.verifier = verifier
         self.outputs = outputs
         self.sampler = sampler
         self.counters = BatcherCounters()
@@ -117,7 +121,8 @@ class Batcher:
                     await self._wake.wait()
                 continue
             try:
-                logits = await self.executor.run(batch)
+                executor = self.verifier if batch.phase is Phase.VERIFY else self.executor
+                logits = await executor.run(batch)
             except InvocationError as error:
                 log.error("batch of %d failed: %s", batch.rows, error)
                 self.counters.failed_batches += 1
@@ -135,8 +140,11 @@ class Batcher:
     def postprocess(self, batch: Batch, logits: list[np.ndarray | None]) -> None:
         """Sample, let the scheduler apply the step, and send each sequence's new text."""
         self.counters.steps += 1
-        if batch.phase is Phase.DENOISE:
-            self.counters.denoise_steps += 1
+        if batch.phase in (Phase.DENOISE, Phase.VERIFY):
+            if batch.phase is Phase.DENOISE:
+                self.counters.denoise_steps += 1
+            else:
+                self.counters.verify_steps += 1
             self._apply_denoise(batch, logits)
             return
         if batch.phase is Phase.PREFILL:

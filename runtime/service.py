@@ -83,6 +83,10 @@ class GenerateService:
         self.batcher: Batcher | None = None
         self.eos_token_ids: list[int] = []
         self.vocab_size = 0
+        # APD's autoregressive verifier (config.apd_verifier), its cache and its executor.
+        self.verifier: Program | None = None
+        self.verifier_cache = None
+        self.verifier_executor: Executor | None = None
 
     # -- lifecycle --------------------------------------------------------------------
     async def start(self) -> "GenerateService":
@@ -125,6 +129,8 @@ class GenerateService:
             prefix_sharing = "none"
         if abi.is_diffusion:
             prefix_sharing = "none"  # a diffusion prompt's K/V depend on the canvas after it
+        if config.apd_verifier is not None:
+            self._load_verifier(abi, page_count * abi.block_seq_stride)
         cache_class = TriePagedAttentionCache if prefix_sharing == "trie" else PlainPagedAttentionCache
         cache = cache_class(pool, abi.block_seq_stride)
         scheduler = self._diffusion_scheduler(abi, cache) if abi.is_diffusion else Scheduler(
@@ -143,12 +149,39 @@ class GenerateService:
         )
         executor = Executor(program, pool.buffer, page_count, self.vocab_size)
         self.program, self.cache, self.pool = program, cache, pool
-        self.batcher = Batcher(scheduler, executor, OutputProcessor(self.tokenizer), Sampler(self.eos_token_ids))
+        self.batcher = Batcher(scheduler, executor, OutputProcessor(self.tokenizer), Sampler(self.eos_token_ids),
+                               verifier=self.verifier_executor)
         log.info(
             "loaded %s: %d KV pages of %d tokens (%.0f MiB) in %.1fs",
             artifacts.vmfb, page_count, abi.block_seq_stride,
             page_count * page_bytes / 2**20, time.monotonic() - started,
         )
+
+    def _load_verifier(self, abi, tokens: int) -> None:
+        """APD's verifier: an autoregressive export with the same tokenizer, scoring drafts with
+        its prefill (start positions, every position's logits), in a cache of its own."""
+        if not abi.is_diffusion:
+            raise ModelLoadError("an APD verifier goes with a diffusion model; this one is autoregressive")
+        verifier = self._program_factory(self.config.apd_verifier, self.config.device)
+        own = verifier.capabilities
+        if own.is_diffusion or not own.has_prefill_position or not own.every_position_logits:
+            raise ModelLoadError("the APD verifier must be an autoregressive export whose prefill takes start "
+                                 "positions and returns every position's logits (the default export)")
+        if own.max_seq_len < abi.max_seq_len:
+            raise ModelLoadError(f"the APD verifier's context ({own.max_seq_len}) is shorter than the model's "
+                                 f"({abi.max_seq_len})")
+        try:
+            verifier_vocab = Tokenizer.from_file(str(self.config.apd_verifier.tokenizer_path)).get_vocab()
+        except Exception as error:
+            raise ModelLoadError(f"cannot read the APD verifier's tokenizer: {error}") from None
+        vocab = self.tokenizer.get_vocab()
+        if any(vocab.get(token) != token_id for token, token_id in verifier_vocab.items()):
+            raise ModelLoadError("the APD verifier's tokenizer differs from the model's: their token ids must agree")
+        pages = -(-tokens // own.block_seq_stride) + 1
+        pool = PagePool(pages, verifier.allocate_cache)
+        self.verifier_cache = PlainPagedAttentionCache(pool, own.block_seq_stride)
+        self.verifier_executor = Executor(verifier, pool.buffer, pages, verifier.kiln.vocab_size or len(verifier_vocab))
+        self.verifier = verifier
 
     def _diffusion_scheduler(self, abi, cache) -> DiffusionScheduler:
         config = DiffusionSchedulerConfig(
@@ -158,7 +191,10 @@ class GenerateService:
             mask_token_id=abi.mask_token_id,
             logits_shift=abi.logits_shift,
         )
-        return DiffusionScheduler(config, cache, self.eos_token_ids)
+        if self.verifier is None:
+            return DiffusionScheduler(config, cache, self.eos_token_ids)
+        return DiffusionScheduler(config, cache, self.eos_token_ids, self.verifier_cache,
+                                  self.verifier.capabilities.prefill_batch_sizes)
 
     def _eos_from_tokenizer(self) -> list[int]:
         token = self.tokenizer_config.get("eos_token")
@@ -182,6 +218,8 @@ class GenerateService:
             await asyncio.sleep(0.02)
         await self.batcher.stop()
         self.batcher.executor.close()
+        if self.verifier_executor is not None:
+            self.verifier_executor.close()
         self.state = ServiceState.STOPPED
 
     # -- what callers may ask -----------------------------------------------------------
@@ -245,6 +283,9 @@ class GenerateService:
         total = len(prompt_ids) + params.max_tokens
         if self.is_diffusion:
             total = len(prompt_ids) + check_diffusion_request(params, self.program.capabilities).canvas_length
+            if params.diffusion.apd and self.verifier is None:
+                raise InvalidRequestError("apd_mixture_weight needs a server started with an APD verifier "
+                                          "(--apd-verifier)", param="apd_mixture_weight")
         elif params.diffusion is not None:
             raise InvalidRequestError("diffusion options (steps, block_length, ...) apply only to diffusion models",
                                       param="steps")
@@ -258,6 +299,10 @@ class GenerateService:
             raise InvalidRequestError("prompt logprobs need every position's logits: this export's prefill "
                                       "returns the last", param="prompt_logprobs")
         pages = self.cache.pages_for(total) * (2 if params.diffusion is not None and params.diffusion.cfg_scale else 1)
+        if params.diffusion is not None and params.diffusion.apd and \
+                self.verifier_cache.pages_for(total) > self.verifier_cache.page_pool.total:
+            raise InvalidRequestError("the request needs more pages than the APD verifier's cache has",
+                                      param="max_tokens")
         if pages > self.pool.total:
             raise InvalidRequestError(
                 f"the request needs {pages} KV-cache pages and the cache has {self.pool.total}: "
@@ -324,7 +369,8 @@ class GenerateService:
             generated_tokens=counters.generated_tokens,
             preemptions=scheduler.preemptions,
             steps={"prefill": counters.prefill_steps, "decode": counters.decode_steps,
-                   "denoise": counters.denoise_steps, "failed": counters.failed_batches},
+                   "denoise": counters.denoise_steps, "verify": counters.verify_steps,
+                   "failed": counters.failed_batches},
             forward_passes=dict(counters.forward_passes),
             committed_per_pass=dict(counters.committed_per_pass),
         )

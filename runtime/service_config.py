@@ -28,6 +28,8 @@ class ServiceConfig:
     prefill_token_budget: int = 512
     max_running: int = 32  # sequences holding KV pages at once
     max_queue: int = 256  # requests waiting before submit answers "busy" (0: none may wait)
+    # A diffusion model's APD verifier: an autoregressive export with the same tokenizer.
+    apd_verifier: Artifacts | None = None
 
     def __post_init__(self):
         if self.prefix_sharing not in PREFIX_SHARING:

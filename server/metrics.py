@@ -60,8 +60,8 @@ class ServiceCollector(Collector):
 def diffusion_metrics(stats):
     """A diffusion LM's forward passes per sequence, by what they computed, and the tokens each committed."""
     passes = CounterMetricFamily("kiln_diffusion_forward_passes", "a diffusion LM's forward passes per sequence, "
-                                 "by window: full sequence, cached prefix, dual cache", labels=["kind"])
-    for kind in ("full", "prefix", "dual"):
+                                 "by window: full sequence, cached prefix, dual cache, APD round", labels=["kind"])
+    for kind in ("full", "prefix", "dual", "apd"):
         passes.add_metric([kind], stats.forward_passes.get(kind, 0))
     yield passes
     committed = stats.committed_per_pass  # positions committed -> passes that committed that many

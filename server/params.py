@@ -37,12 +37,9 @@ def diffusion_params(body: DiffusionFields, diffusion_model: bool) -> DiffusionP
         threshold = PARALLEL_DECODING_THRESHOLD
     elif body.parallel_decoding is False and threshold is not None:
         raise InvalidRequestError("parallel_decoding false contradicts a threshold", param="parallel_decoding")
-    for name in APD_FIELDS:
-        if getattr(body, name) is not None:
-            raise InvalidRequestError(f"{name} needs a server started with an APD verifier (--apd-verifier)",
-                                      param=name)
     given = {"steps": steps, "block_length": body.block_length, "remasking": body.remasking,
-             "confidence": body.confidence, "threshold": threshold, "cache": body.cache, "cfg_scale": body.cfg_scale}
+             "confidence": body.confidence, "threshold": threshold, "cache": body.cache, "cfg_scale": body.cfg_scale,
+             **{name: getattr(body, name) for name in APD_FIELDS}}
     given = {name: value for name, value in given.items() if value is not None}
     if not given:
         return None

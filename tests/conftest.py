@@ -116,6 +116,24 @@ def tiny_dream_artifacts(tiny_dream_hf, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_verifier_hf(tiny_llada_hf, tmp_path_factory) -> Path:
+    """A tiny autoregressive Llama with the tiny LLaDA's tokenizer: an APD verifier for it."""
+    from kiln.models.loader import load_checkpoint
+
+    llada = load_checkpoint(tiny_llada_hf)
+    verifier = make_tiny_checkpoint(seed=5)
+    verifier.tokenizer_json, verifier.tokenizer_config = llada.tokenizer_json, llada.tokenizer_config
+    directory = tmp_path_factory.mktemp("tiny-verifier-hf")
+    write_hf_directory(verifier, directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_verifier_artifacts(tiny_verifier_hf, tmp_path_factory) -> Path:
+    return _export_and_compile(tiny_verifier_hf, tmp_path_factory.mktemp("tiny-verifier-artifacts"))
+
+
+@pytest.fixture(scope="session")
 def fake_model_dir(tiny_checkpoint, tmp_path_factory) -> Path:
     """Artifacts for tests/fake_program.py's FakeProgram: a config and the tiny tokenizer, no VMFB."""
     from tests.fake_program import write_fake_artifacts

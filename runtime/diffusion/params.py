@@ -28,6 +28,16 @@ class DiffusionParams:
     threshold: float | None = None  # Fast-dLLM: commit every position at least this confident (None: schedule)
     cache: str = "none"  # "none": whole sequence each pass; "prefix" / "dual": K/V reused within a block
     cfg_scale: float = 0.0  # classifier-free guidance (LLaDA), with cache "none" only
+    # APD (with a verifier loaded): R, the diffusion model's weight in the mixture that
+    # verifies its draft; W, committed positions recomputed each round (None: all); M, the
+    # most positions drafted per round (None: the rest of the canvas).
+    apd_mixture_weight: float | None = None
+    apd_kv_window: int | None = None
+    apd_max_lookahead: int | None = None
+
+    @property
+    def apd(self) -> bool:
+        return self.apd_mixture_weight is not None
 
     def plan(self, max_tokens: int) -> "DiffusionPlan":
         """Check every field against max_tokens; InvalidRequestError naming the first at fault."""
@@ -46,6 +56,8 @@ class DiffusionParams:
         if self.cfg_scale and self.cache != "none":
             raise InvalidRequestError("cfg_scale needs cache \"none\": guidance reruns the prompt masked every pass",
                                       param="cfg_scale")
+        if self.apd or self.apd_kv_window is not None or self.apd_max_lookahead is not None:
+            return self._apd_plan(max_tokens)
         block = self.block_length or min(DEFAULT_BLOCK_LENGTH, max_tokens)
         blocks = -(-max_tokens // block)
         steps = self.steps if self.steps is not None else blocks * block
@@ -53,6 +65,24 @@ class DiffusionParams:
             raise InvalidRequestError(f"steps ({steps}) must be a multiple of the number of blocks ({blocks}: "
                                       f"max_tokens {max_tokens} in blocks of {block})", param="steps")
         return DiffusionPlan(block, blocks, steps // blocks, self)
+
+    def _apd_plan(self, max_tokens: int) -> "DiffusionPlan":
+        if not self.apd:
+            raise InvalidRequestError("apd_kv_window and apd_max_lookahead need apd_mixture_weight",
+                                      param="apd_mixture_weight")
+        if not (_finite(self.apd_mixture_weight) and 0.0 <= self.apd_mixture_weight <= 1.0):
+            raise InvalidRequestError(f"apd_mixture_weight must be in [0, 1], got {self.apd_mixture_weight!r}",
+                                      param="apd_mixture_weight")
+        for name in ("apd_kv_window", "apd_max_lookahead"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", param=name)
+        # APD drafts left to right in its own windows: the block and cache options do not apply.
+        for name, unused in (("steps", None), ("block_length", None), ("threshold", None), ("cache", "none"),
+                             ("cfg_scale", 0.0), ("remasking", "low_confidence"), ("confidence", "top1")):
+            if getattr(self, name) != unused:
+                raise InvalidRequestError(f"{name} does not apply with APD (apd_mixture_weight)", param=name)
+        return DiffusionPlan(max_tokens, 1, max_tokens, self)
 
 
 @dataclass(frozen=True)

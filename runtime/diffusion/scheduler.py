@@ -1,4 +1,5 @@
-"""Decides which diffusion sequences share the next `denoise` call, and applies its results.
+"""Decides which diffusion sequences share the next `denoise` call (or, with APD, the
+verifier's next call), and applies its results.
 
 A diffusion sequence takes the pages for its whole sequence (prompt and canvas; twice
 with classifier-free guidance) when it is admitted, so it never grows and is never
@@ -20,6 +21,7 @@ from ..batch import Batch, Phase
 from ..kvcache.base import BasePagedAttentionCache
 from ..request import Sequence, SequenceState
 from ..scheduler import BaseScheduler, Finish, smallest_fitting
+from .apd import ApdCanvas
 from .canvas import Canvas, Window
 
 
@@ -42,10 +44,15 @@ class DenoiseUpdate:
 
 
 class DiffusionScheduler(BaseScheduler):
-    def __init__(self, config: DiffusionSchedulerConfig, cache: BasePagedAttentionCache, eos_token_ids=()):
+    def __init__(self, config: DiffusionSchedulerConfig, cache: BasePagedAttentionCache, eos_token_ids=(),
+                 verifier_cache: BasePagedAttentionCache | None = None, verifier_batch_sizes: tuple[int, ...] = ()):
+        """`verifier_cache`, with APD: the pages of the autoregressive verifier's own cache."""
         super().__init__(cache, eos_token_ids)
         self.config = config
+        self.verifier_cache = verifier_cache
+        self.verifier_batch_sizes = verifier_batch_sizes
         self._guidance_pages = {}  # seq_id -> the allocation of its prompt-masked twin (cfg)
+        self._verifier_pages = {}  # seq_id -> its allocation in the verifier's cache (APD)
 
     @staticmethod
     def rows_of(seq: Sequence) -> int:
@@ -54,6 +61,9 @@ class DiffusionScheduler(BaseScheduler):
 
     # -- the decision -----------------------------------------------------------------
     def schedule(self) -> Batch | None:
+        drafted = [s for s in self.running if getattr(s.canvas, "awaiting_verifier", False)]
+        if drafted:  # APD drafts are verified before anything else runs
+            return self._verify_batch(drafted)
         self._admit()
         if not self.running:
             return None
@@ -86,6 +96,15 @@ class DiffusionScheduler(BaseScheduler):
         return Batch(Phase.DENOISE, size, tuple(seq_ids), tuple(starts), tuple(tokens), tuple(tables), every, every,
                      tuple(visible))
 
+    def _verify_batch(self, drafted: list[Sequence]) -> Batch:
+        drafted = sorted(drafted, key=lambda s: (s.request.priority, s.seq_id))[: self.verifier_batch_sizes[-1]]
+        windows = [seq.canvas.verifier_window() for seq in drafted]
+        size = smallest_fitting(self.verifier_batch_sizes, len(drafted))
+        return Batch(Phase.VERIFY, size, tuple(s.seq_id for s in drafted), tuple(w.start for w in windows),
+                     tuple(tuple(int(t) for t in w.tokens) for w in windows),
+                     tuple(tuple(self._verifier_pages[s.seq_id].pages) for s in drafted),
+                     (False,) * len(drafted), (True,) * len(drafted))
+
     def _group_key(self, window: Window) -> tuple:
         if window.start + window.width == window.visible:  # padding lands past its attention: pad to whole pages
             stride = self.config.block_seq_stride
@@ -101,18 +120,27 @@ class DiffusionScheduler(BaseScheduler):
             main = self.cache.acquire_pages_for_tokens([], extra_token_slots=length)
             if main is None:
                 return  # keep priority order: nothing younger jumps the queue
-            if self.rows_of(seq) == 2:
-                twin = self.cache.acquire_pages_for_tokens([], extra_token_slots=length)
-                if twin is None:
+            second = None  # the guidance twin's pages, or the verifier's (APD)
+            if self.rows_of(seq) == 2 or plan.params.apd:
+                cache = self.verifier_cache if plan.params.apd else self.cache
+                second = cache.acquire_pages_for_tokens([], extra_token_slots=length)
+                if second is None:
                     self.cache.free_cache_pages(main)
                     return
-                self._guidance_pages[seq.seq_id] = twin
+                (self._verifier_pages if plan.params.apd else self._guidance_pages)[seq.seq_id] = second
             heapq.heappop(self.waiting)
             seq.allocation = main
             if seq.canvas is None:
-                seq.canvas = Canvas(seq.prompt_ids, plan, self.config.mask_token_id,
-                                    self.config.logits_shift, seq.params.temperature, seq.rng)
+                seq.canvas = self._canvas(seq, plan)
             self._start_running(seq, SequenceState.DENOISE)
+
+    def _canvas(self, seq: Sequence, plan):
+        config, params = self.config, plan.params
+        if params.apd:
+            return ApdCanvas(seq.prompt_ids, plan.canvas_length, config.mask_token_id, config.logits_shift,
+                             seq.params.temperature, seq.rng, params.apd_mixture_weight, params.apd_kv_window,
+                             params.apd_max_lookahead)
+        return Canvas(seq.prompt_ids, plan, config.mask_token_id, config.logits_shift, seq.params.temperature, seq.rng)
 
     # -- after a step -----------------------------------------------------------------
     def postprocess(self, batch: Batch, logits: list[np.ndarray]) -> list[DenoiseUpdate]:
@@ -127,8 +155,13 @@ class DiffusionScheduler(BaseScheduler):
             if seq is None:  # aborted while the batch ran
                 continue
             canvas = seq.canvas
-            canvas.commit(conditional, unconditional[0] if unconditional else None)
-            seq.request.forward_passes += 1
+            if batch.phase is Phase.VERIFY:
+                canvas.accept(conditional)
+            else:
+                canvas.commit(conditional, unconditional[0] if unconditional else None)
+                seq.request.forward_passes += 1
+                if getattr(canvas, "awaiting_verifier", False):
+                    continue  # an APD draft: the verifier's pass decides what is committed
             new = canvas.tokens[seq.prompt_len + seq.generated : seq.prompt_len + canvas.committed_prefix()].tolist()
             finish = None
             for index, token in enumerate(new):
@@ -150,5 +183,8 @@ class DiffusionScheduler(BaseScheduler):
         twin = self._guidance_pages.pop(seq.seq_id, None)
         if twin is not None:
             self.cache.free_cache_pages(twin)
+        verifier = self._verifier_pages.pop(seq.seq_id, None)
+        if verifier is not None:
+            self.verifier_cache.free_cache_pages(verifier)
         seq.computed = 0  # nothing is published: a diffusion prompt's K/V depend on its canvas
         super()._stop_running(seq)
