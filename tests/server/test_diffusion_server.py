@@ -139,3 +139,18 @@ def test_aborted_streams_return_every_page_and_metrics_count_passes(llada_server
     assert llada_server.metric('kiln_diffusion_forward_passes_total{kind="full"}') > 0
     assert llada_server.metric("kiln_diffusion_tokens_per_forward_count") > 0
     assert llada_server.metric('kiln_model_steps_total{kind="denoise"}') > 0
+
+
+def test_apd_through_kiln_serve(start_server, tiny_llada_artifacts, tiny_verifier_artifacts):
+    server = start_server("--artifacts", tiny_llada_artifacts, "--apd-verifier", tiny_verifier_artifacts,
+                          "--served-model-name", "llada-apd")
+    body = {"model": "llada-apd", "prompt": PROMPT, "max_tokens": 24, "ignore_eos": True,
+            "apd_mixture_weight": 1.0, "apd_max_lookahead": 6}
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    assert usage["completion_tokens"] == 24 and usage["forward_passes"] == 4  # six tokens accepted per round
+    bad = httpx.post(server.url + "/v1/completions", json={**body, "apd_kv_window": 0}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "apd_kv_window"
+    assert server.metric('kiln_diffusion_forward_passes_total{kind="apd"}') == 4
+    assert server.metric('kiln_model_steps_total{kind="verify"}') == 4
