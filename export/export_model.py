@@ -86,7 +86,7 @@ def kiln_params(checkpoint: Checkpoint, options: ExportOptions) -> KilnParams:
     )
     if c.is_diffusion:
         kiln = replace(kiln, prefill_final_logits=False, model_kind=DIFFUSION,
-                       denoise_batch_sizes=list(options.denoise_batch_sizes),
+                       denoise_batch_sizes=list(options.denoise_batch_sizes), denoise_top=options.denoise_top_functions,
                        mask_token_id=c.mask_token_id, logits_shift=c.logits_shift)
     return kiln
 

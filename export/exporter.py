@@ -15,7 +15,7 @@ import torch
 from iree.turbine import aot
 from torch.export import Dim
 
-from kiln.models.llama import PagedLlama
+from kiln.models.llama import MASKED_SCORE, PagedLlama
 from kiln.runtime.contract import FunctionKind, argument_names, function_name
 
 from .options import ExportOptions
@@ -46,6 +46,18 @@ def select_logits(model: PagedLlama, options: ExportOptions, h, start_pos, seq_l
     return torch.topk(logits, options.top_k, dim=-1)
 
 
+def greedy_summary(logits, mask_token_id: int):
+    """[N, T, 4] from logits [N, T, V]: the most likely token (a float: exact below 2^24), its
+    probability, the runner-up's, and sum(p log p), the mask token left out, as the runtime's
+    commit rules compute them from full logits."""
+    vocab = logits.shape[-1]
+    masked = (torch.arange(vocab) == mask_token_id).float() * MASKED_SCORE
+    probs = torch.softmax(logits + masked, dim=-1)
+    top, ids = torch.topk(probs, 2, dim=-1)
+    negative_entropy = (probs * torch.log(probs + 1e-10)).sum(dim=-1, keepdim=True)
+    return torch.cat([ids[..., :1].float(), top, negative_entropy], dim=-1)
+
+
 def abi_functions(options: ExportOptions, final_only: bool) -> dict[FunctionKind, object]:
     """The traced bodies by kind; their parameters (after the model) are the contract's argument names."""
 
@@ -65,10 +77,15 @@ def abi_functions(options: ExportOptions, final_only: bool) -> dict[FunctionKind
     def denoise(model, tokens, start_pos, seq_lens, seq_block_ids, cache):
         return model.logits(model.forward_paged(tokens, start_pos, seq_lens, seq_block_ids, cache))
 
+    def denoise_top(model, tokens, start_pos, seq_lens, seq_block_ids, cache):
+        return greedy_summary(denoise(model, tokens, start_pos, seq_lens, seq_block_ids, cache),
+                              model.config.mask_token_id)
+
     return {
         FunctionKind.PREFILL: prefill if options.has_prefill_position else prefill_without_position,
         FunctionKind.DECODE: decode,
         FunctionKind.DENOISE: denoise,
+        FunctionKind.DENOISE_TOP: denoise_top,
     }
 
 
@@ -82,6 +99,8 @@ def trace_module(model: PagedLlama, options: ExportOptions, log=print) -> aot.Ex
 
     if model.config.is_diffusion:
         kinds = [(FunctionKind.DENOISE, False)]
+        if options.denoise_top_functions:
+            kinds.append((FunctionKind.DENOISE_TOP, False))
     else:
         kinds = [(FunctionKind.PREFILL, options.prefill_final_logits)]
         if options.prefill_last_functions and not options.prefill_final_logits:
@@ -91,8 +110,8 @@ def trace_module(model: PagedLlama, options: ExportOptions, log=print) -> aot.Ex
         traced_kind = FunctionKind.PREFILL if kind is FunctionKind.PREFILL_LAST else kind
         body = abi_functions(options, final_only)[traced_kind]
         names = argument_names(traced_kind, options.has_prefill_position)
-        sizes = {FunctionKind.DECODE: options.decode_batch_sizes,
-                 FunctionKind.DENOISE: options.denoise_batch_sizes}.get(kind, options.prefill_batch_sizes)
+        sizes = {FunctionKind.DECODE: options.decode_batch_sizes, FunctionKind.DENOISE: options.denoise_batch_sizes,
+                 FunctionKind.DENOISE_TOP: options.denoise_batch_sizes}.get(kind, options.prefill_batch_sizes)
         for bs in sizes:
             started = time.monotonic()
             blocks = Dim("blocks", min=1, max=max_blocks)
@@ -100,7 +119,7 @@ def trace_module(model: PagedLlama, options: ExportOptions, log=print) -> aot.Ex
             # specializes them as equal.
             if kind is FunctionKind.DECODE:
                 tokens, tokens_dims = torch.zeros(bs, 1, dtype=torch.int64), {}
-            elif kind is FunctionKind.DENOISE:
+            elif kind in (FunctionKind.DENOISE, FunctionKind.DENOISE_TOP):
                 # Any length: a dual-cache window is one block, which need not fill whole pages.
                 tokens = torch.zeros(bs, 2 * stride + 1, dtype=torch.int64)
                 tokens_dims = {1: Dim("window", min=2, max=options.max_seq_len)}

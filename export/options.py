@@ -18,6 +18,9 @@ class ExportOptions:
     decode_batch_sizes: tuple[int, ...] = (2, 4, 8)
     # A diffusion LM exports denoise_bs<N> (and no prefill or decode) for these sizes.
     denoise_batch_sizes: tuple[int, ...] = (1, 4)
+    # Also export denoise_top_bs<N>: the pass reduced to [N, T, 4] per-position summaries,
+    # which the runtime calls when every row of a batch is greedy (no [N, T, V] copy out).
+    denoise_top_functions: bool = True
     block_seq_stride: int = 16
     device_block_count: int = 256
     max_seq_len: int = 0  # 0: the model's context length, capped at 8192

@@ -28,7 +28,9 @@ class Batch:
     tokens: tuple[tuple[int, ...], ...]  # the tokens each row feeds, from its start position
     block_tables: tuple[tuple[int, ...], ...]  # each row's pages in sequence order, covering its tokens
     samples: tuple[bool, ...]  # rows whose last logits are sampled: a completed prompt, every decode row
-    full_logits: tuple[bool, ...]  # rows that need the logits at every position (prompt logprobs, denoise)
+    # Rows that need the logits at every position (prompt logprobs); in a denoise batch, all
+    # rows or none (then each position's greedy summary, from denoise_top).
+    full_logits: tuple[bool, ...]
     # What each row's attention sees when it reaches past its tokens (a diffusion LM's window
     # attends to cached K/V on both sides); empty: each row ends at its last token.
     visible: tuple[int, ...] = ()

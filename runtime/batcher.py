@@ -34,7 +34,7 @@ class BatcherCounters:
     decode_steps: int = 0
     denoise_steps: int = 0
     verify_steps: int = 0  # APD's verifier calls
-    # A diffusion LM's passes by what they computed ("full", "prefix", "dual"), and how many
+    # A diffusion LM's passes by what they computed ("full", "prefix", "dual", "apd"), and how many
     # passes committed each number of positions (the tokens-per-forward histogram).
     forward_passes: dict = field(default_factory=dict)
     committed_per_pass: dict = field(default_factory=dict)
@@ -174,12 +174,11 @@ class Batcher:
         """A diffusion LM's pass: the scheduler commits each canvas; the newly committed
         tokens go out as text, left to right, as if sampled one by one."""
         for update in self.scheduler.postprocess(batch, logits):
-            seq = update.seq
-            counters = self.counters
+            seq, counters = update.seq, self.counters
             kind, committed = seq.canvas.last_pass_kind, seq.canvas.committed_per_pass[-1]
             counters.forward_passes[kind] = counters.forward_passes.get(kind, 0) + 1
             counters.committed_per_pass[committed] = counters.committed_per_pass.get(committed, 0) + 1
-            self.counters.generated_tokens += len(update.tokens)
+            counters.generated_tokens += len(update.tokens)
             for index, token in enumerate(update.tokens):
                 finish = update.finish if index == len(update.tokens) - 1 else None
                 if self.outputs.token(seq, SampleResult(token), finish):

@@ -90,6 +90,7 @@ class KilnParams:
     # canvas starts as mask tokens, and with logits_shift 1 output i predicts token i + 1.
     model_kind: str = "autoregressive"  # or "diffusion"
     denoise_batch_sizes: list[int] = field(default_factory=list)
+    denoise_top: bool = False  # denoise_top_bs<N> beside each denoise_bs<N>
     mask_token_id: int | None = None
     logits_shift: int = 0
 

@@ -39,12 +39,16 @@ class FunctionKind(str, enum.Enum):
     # A diffusion LM's forward: T tokens from start_pos, each seeing every key below seq_len
     # (no causal mask), K/V written into the pages as prefill does; logits [N, T, V].
     DENOISE = "denoise"
+    # The same pass reduced to what a greedy sampler reads, [N, T, 4]: per position the most
+    # likely token (as a float), its probability, the second's, and the negative entropy, the
+    # mask token left out. A 4-wide result instead of the vocabulary's width.
+    DENOISE_TOP = "denoise_top"
 
 
 _PREFILL_ARGUMENTS = ("tokens", "start_pos", "seq_lens", "seq_block_ids", "cache")
 _PREFILL_ARGUMENTS_NO_POSITION = ("tokens", "seq_lens", "seq_block_ids", "cache")
 _DECODE_ARGUMENTS = ("tokens", "seq_lens", "start_positions", "seq_block_ids", "cache")
-_FUNCTION_NAME = re.compile(r"^(prefill_last|prefill|decode|denoise)_bs([1-9][0-9]*)$")
+_FUNCTION_NAME = re.compile(r"^(prefill_last|prefill|decode|denoise_top|denoise)_bs([1-9][0-9]*)$")
 DIFFUSION = "diffusion"  # KilnParams.model_kind of a diffusion LM's export
 
 
@@ -68,7 +72,7 @@ def argument_names(kind: FunctionKind, has_prefill_position: bool) -> tuple[str,
     """
     if FunctionKind(kind) is FunctionKind.DECODE:
         return _DECODE_ARGUMENTS
-    if FunctionKind(kind) is FunctionKind.DENOISE:
+    if FunctionKind(kind) in (FunctionKind.DENOISE, FunctionKind.DENOISE_TOP):
         return _PREFILL_ARGUMENTS
     return _PREFILL_ARGUMENTS if has_prefill_position else _PREFILL_ARGUMENTS_NO_POSITION
 
@@ -76,7 +80,8 @@ def argument_names(kind: FunctionKind, has_prefill_position: bool) -> tuple[str,
 def expected_functions(params: ModelParams, with_prefill_last: bool, kiln: KilnParams | None = None) -> list[str]:
     """Every function an export with this config contains, in export order."""
     if kiln is not None and kiln.model_kind == DIFFUSION:
-        return [function_name(FunctionKind.DENOISE, bs) for bs in kiln.denoise_batch_sizes]
+        kinds = [FunctionKind.DENOISE] + ([FunctionKind.DENOISE_TOP] if kiln.denoise_top else [])
+        return [function_name(kind, bs) for kind in kinds for bs in kiln.denoise_batch_sizes]
     kinds = [FunctionKind.PREFILL] + ([FunctionKind.PREFILL_LAST] if with_prefill_last else [])
     names = [function_name(kind, bs) for kind in kinds for bs in params.prefill_batch_sizes]
     return names + [function_name(FunctionKind.DECODE, bs) for bs in params.decode_batch_sizes]
@@ -126,6 +131,7 @@ class Capabilities:
     max_seq_len: int
     # A diffusion LM's: denoise sizes, the mask token, the logits shift (empty/None/0 for others).
     denoise_batch_sizes: tuple[int, ...] = ()
+    has_denoise_top: bool = False  # denoise_top_bs<N> for every denoise size
     mask_token_id: int | None = None
     logits_shift: int = 0
 
@@ -157,6 +163,7 @@ class Capabilities:
             block_seq_stride=params.block_seq_stride,
             max_seq_len=params.max_seq_len,
             denoise_batch_sizes=tuple(sorted(kiln.denoise_batch_sizes)) if diffusion else (),
+            has_denoise_top=diffusion and kiln.denoise_top,
             mask_token_id=kiln.mask_token_id if diffusion else None,
             logits_shift=kiln.logits_shift if diffusion else 0,
         )

@@ -41,7 +41,10 @@ def build_invocation(batch: Batch, abi: Capabilities, page_count: int, vocab_siz
     elif batch.phase is Phase.DENOISE:
         if rows not in abi.denoise_batch_sizes:
             raise InvocationError(f"this export has no denoise function for a batch of {rows}")
-        name, last_only, kind = function_name(FunctionKind.DENOISE, rows), False, FunctionKind.DENOISE
+        kind = FunctionKind.DENOISE if any(batch.full_logits) else FunctionKind.DENOISE_TOP
+        if kind is FunctionKind.DENOISE_TOP and not abi.has_denoise_top:
+            raise InvocationError("this export has no denoise_top function: every row needs full logits")
+        name, last_only = function_name(kind, rows), False
         width = max(len(chunk) for chunk in batch.tokens)
         # A row shorter than the call is padded at its end: harmless only where the padding
         # lies past what the row attends to (written to page 0), never over cached K/V.
@@ -78,7 +81,9 @@ def build_invocation(batch: Batch, abi: Capabilities, page_count: int, vocab_siz
 
     read_at: list[int | slice] = []
     for chunk, full in zip(batch.tokens, batch.full_logits):
-        if last_only:
+        if batch.phase is Phase.DENOISE:  # logits or summaries, every position of the window
+            read_at.append(slice(0, len(chunk)))
+        elif last_only:
             read_at.append(0)
         else:  # every position of the chunk for prompt logprobs, else its last
             read_at.append(slice(0, len(chunk)) if full else len(chunk) - 1)

@@ -20,9 +20,9 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from .batcher import Batcher
+from .contract import TOKENIZER_CONFIG_FILE, Artifacts
 from .diffusion.checks import check_diffusion_request
 from .diffusion.scheduler import DiffusionScheduler, DiffusionSchedulerConfig
-from .contract import TOKENIZER_CONFIG_FILE, Artifacts
 from .errors import InvalidRequestError, ModelLoadError, NotReadyError, QueueFullError
 from .executor import Executor
 from .kvcache.page_pool import PagePool
@@ -85,7 +85,7 @@ class GenerateService:
         self.vocab_size = 0
         # APD's autoregressive verifier (config.apd_verifier), its cache and its executor.
         self.verifier: Program | None = None
-        self.verifier_cache = None
+        self.verifier_cache: PlainPagedAttentionCache | None = None
         self.verifier_executor: Executor | None = None
 
     # -- lifecycle --------------------------------------------------------------------
@@ -190,11 +190,10 @@ class GenerateService:
             max_running=self.config.max_running,
             mask_token_id=abi.mask_token_id,
             logits_shift=abi.logits_shift,
+            has_denoise_top=abi.has_denoise_top,
         )
-        if self.verifier is None:
-            return DiffusionScheduler(config, cache, self.eos_token_ids)
-        return DiffusionScheduler(config, cache, self.eos_token_ids, self.verifier_cache,
-                                  self.verifier.capabilities.prefill_batch_sizes)
+        verifier_sizes = self.verifier.capabilities.prefill_batch_sizes if self.verifier is not None else ()
+        return DiffusionScheduler(config, cache, self.eos_token_ids, self.verifier_cache, verifier_sizes)
 
     def _eos_from_tokenizer(self) -> list[int]:
         token = self.tokenizer_config.get("eos_token")

@@ -60,8 +60,8 @@ def tiny_gguf(tiny_checkpoint, tmp_path_factory) -> Path:
     return path
 
 
-def _export_and_compile(model: Path, out: Path) -> Path:
-    run_kiln("export-model", "--model", str(model), "--output-dir", str(out), *TINY_EXPORT_ARGS)
+def _export_and_compile(model: Path, out: Path, export_args=TINY_EXPORT_ARGS) -> Path:
+    run_kiln("export-model", "--model", str(model), "--output-dir", str(out), *export_args)
     run_kiln("compile-vmfb", str(out / "model.mlir"), "--target", "cpu", "-o", str(out / "model_cpu.vmfb"))
     return out
 
@@ -97,22 +97,16 @@ def tiny_dream_hf(tmp_path_factory) -> Path:
     return write_tiny_dream(tmp_path_factory.mktemp("tiny-dream-hf"))
 
 
-def _export_diffusion(model: Path, out: Path) -> Path:
-    run_kiln("export-model", "--model", str(model), "--output-dir", str(out), *DIFFUSION_EXPORT_ARGS)
-    run_kiln("compile-vmfb", str(out / "model.mlir"), "--target", "cpu", "-o", str(out / "model_cpu.vmfb"))
-    return out
-
-
 @pytest.fixture(scope="session")
 def tiny_llada_artifacts(tiny_llada_hf, tmp_path_factory) -> Path:
     """The tiny LLaDA (unshifted logits), exported with denoise functions and compiled for the CPU."""
-    return _export_diffusion(tiny_llada_hf, tmp_path_factory.mktemp("tiny-llada-artifacts"))
+    return _export_and_compile(tiny_llada_hf, tmp_path_factory.mktemp("tiny-llada-artifacts"), DIFFUSION_EXPORT_ARGS)
 
 
 @pytest.fixture(scope="session")
 def tiny_dream_artifacts(tiny_dream_hf, tmp_path_factory) -> Path:
     """The tiny Dream (shifted logits, q/k/v bias), likewise."""
-    return _export_diffusion(tiny_dream_hf, tmp_path_factory.mktemp("tiny-dream-artifacts"))
+    return _export_and_compile(tiny_dream_hf, tmp_path_factory.mktemp("tiny-dream-artifacts"), DIFFUSION_EXPORT_ARGS)
 
 
 @pytest.fixture(scope="session")

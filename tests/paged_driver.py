@@ -6,6 +6,8 @@ the contract says, and returns logits as numpy arrays.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from kiln.runtime.program import Program
@@ -70,3 +72,13 @@ class PagedDriver:
 
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def call_ms(program, name: str, args, repeats: int = 20) -> float:
+    """The mean wall time of `repeats` calls of `name` after three warm-up calls, in ms."""
+    for _ in range(3):
+        program.invoke(name, *args)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        program.invoke(name, *args)
+    return (time.perf_counter() - started) / repeats * 1000

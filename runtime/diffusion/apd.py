@@ -38,7 +38,6 @@ class ApdCanvas:
         self.verifier_passes = 0
         self.committed_per_pass: list[int] = []
         self.last_pass_kind = "apd"
-        self._left = 0  # where the last diffusion window started
         self._previous_current = self.current
         self._draft: np.ndarray | None = None  # drafted tokens for current..right, awaiting the verifier
         self._draft_logits: np.ndarray | None = None
@@ -65,21 +64,27 @@ class ApdCanvas:
         end = len(self.tokens)
         return end if self.max_lookahead is None else min(self.current + self.max_lookahead, end)
 
-    def window(self) -> Window:
-        """From the first position to recompute (all, or the last kv_window committed ones) to the lookahead."""
+    @property
+    def left(self) -> int:
+        """The first position the next diffusion pass recomputes: all, or from the positions
+        committed last round (their K/V were a mask's) and the kv_window - 1 before them."""
         if self.kv_window is None or self.forward_passes == 0:
-            left = 0
-        else:  # the positions committed last round (their K/V were a mask's) and kv_window - 1 before them
-            left = max(0, self._previous_current - self.kv_window + 1)
-        self._left = left
-        right = self.right
+            return 0
+        return max(0, self._previous_current - self.kv_window + 1)
+
+    def window(self) -> Window:
+        left, right = self.left, self.right
         return Window(left, self.tokens[left:right].copy(), right)
 
-    def commit(self, logits: np.ndarray, unconditional=None) -> int:
+    @property
+    def needs_logits(self) -> bool:
+        return True  # the mixture needs the diffusion model's whole distribution
+
+    def commit(self, logits: np.ndarray, unconditional=None, summarized: bool = False) -> int:
         """Draft the window's open positions from the diffusion logits; the verifier decides next."""
         right = self.right
         positions = np.arange(self.current, right)
-        rows = np.array(logits[positions - self.shift - self._left], dtype=np.float64)
+        rows = np.array(logits[positions - self.shift - self.left], dtype=np.float64)
         self._draft_logits = rows.copy()  # finite, for the mixture
         rows[:, self.mask] = -np.inf
         self._noise = None if self.temperature == 0 else -np.log(-np.log(self.rng.random(rows.shape)))

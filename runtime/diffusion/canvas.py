@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .commit import choose, confidence, predict, transfer_schedule
+from .commit import choose, confidence, predict, summary_scores, transfer_schedule
 from .params import DiffusionPlan
 
 
@@ -69,6 +69,11 @@ class Canvas:
     def done(self) -> bool:
         return self.block >= self.plan.blocks
 
+    @property
+    def awaiting_verifier(self) -> bool:
+        """Whether a pass awaits a verifier's (APD's canvas does): never here."""
+        return False
+
     def committed_prefix(self) -> int:
         """Generated tokens committed without a gap: what may be streamed."""
         masked = np.flatnonzero(self.tokens[self.prompt_len :] == self.mask)
@@ -92,9 +97,16 @@ class Canvas:
         end = self.block_end if self.pass_kind == "dual" else length
         return Window(start, self.tokens[start:end].copy(), length)
 
-    def commit(self, logits: np.ndarray, unconditional: np.ndarray | None = None) -> int:
-        """Apply one pass's logits ([window width, V], as `window()` planned it); returns
-        how many positions it committed. Moves to the next block once this one is full."""
+    @property
+    def needs_logits(self) -> bool:
+        """Whether a pass must return full logits; a greedy one without guidance reads only
+        the per-position summary of denoise_top (contract.FunctionKind.DENOISE_TOP)."""
+        return self.temperature > 0 or bool(self.plan.params.cfg_scale)
+
+    def commit(self, logits: np.ndarray, unconditional: np.ndarray | None = None, summarized: bool = False) -> int:
+        """Apply one pass's logits ([window width, V], as `window()` planned it), or with
+        `summarized` its [window width, 4] greedy summary; returns how many positions it
+        committed. Moves to the next block once this one is full."""
         kind = self.pass_kind
         window_start = 0 if kind == "full" else self.block_start - self.shift
         if unconditional is not None:
@@ -102,14 +114,17 @@ class Canvas:
             logits = unconditional + (scale + 1.0) * (logits - unconditional)
         block = np.arange(self.block_start, self.block_end)
         masked = block[self.tokens[block] == self.mask]
-        rows = np.array(logits[masked - self.shift - window_start], dtype=np.float32)
-        rows[:, self.mask] = -np.inf  # never "commit" a mask: the position would stay open forever
         params = self.plan.params
-        tokens = predict(rows, self.temperature, self.rng)
+        rows = logits[masked - self.shift - window_start]
+        if summarized:
+            tokens, scores = summary_scores(rows, params.confidence)
+        else:
+            rows = np.array(rows, dtype=np.float32)
+            rows[:, self.mask] = -np.inf  # never "commit" a mask: the position would stay open forever
+            tokens = predict(rows, self.temperature, self.rng)
+            scores = confidence(rows, tokens, params.confidence)
         if params.remasking == "random":
             scores = self.rng.random(len(masked))
-        else:
-            scores = confidence(rows, tokens, params.confidence)
         count = None if params.threshold is not None else self._schedule[min(self.step, len(self._schedule) - 1)]
         chosen = choose(scores, count, params.threshold)
         self.tokens[masked[chosen]] = tokens[chosen]

@@ -46,6 +46,17 @@ def confidence(logits: np.ndarray, tokens: np.ndarray, measure: str) -> np.ndarr
     raise ValueError(f"unknown confidence measure {measure!r}")
 
 
+def summary_scores(summary: np.ndarray, measure: str) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy tokens and `measure`'s scores from denoise_top's rows (token, top-1 probability,
+    top-2 probability, negative entropy): what `predict` and `confidence` give at temperature 0."""
+    tokens = summary[:, 0].astype(np.int64)
+    top1, top2, negative_entropy = (summary[:, i].astype(np.float64) for i in (1, 2, 3))
+    scores = {"top1": top1, "margin": top1 - top2, "entropy": negative_entropy}
+    if measure not in scores:
+        raise ValueError(f"unknown confidence measure {measure!r}")
+    return tokens, scores[measure]
+
+
 def choose(scores: np.ndarray, count: int | None, threshold: float | None) -> np.ndarray:
     """Indices of the rows to commit, most confident first.
 

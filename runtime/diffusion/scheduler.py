@@ -32,6 +32,7 @@ class DiffusionSchedulerConfig:
     max_running: int
     mask_token_id: int
     logits_shift: int
+    has_denoise_top: bool = False  # greedy batches may read per-position summaries, not logits
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ class DiffusionScheduler(BaseScheduler):
 
     # -- the decision -----------------------------------------------------------------
     def schedule(self) -> Batch | None:
-        drafted = [s for s in self.running if getattr(s.canvas, "awaiting_verifier", False)]
+        drafted = [s for s in self.running if s.canvas.awaiting_verifier]
         if drafted:  # APD drafts are verified before anything else runs
             return self._verify_batch(drafted)
         self._admit()
@@ -92,9 +93,9 @@ class DiffusionScheduler(BaseScheduler):
                 tables.append(tuple(allocation.pages))
                 visible.append(window.visible)
         size = smallest_fitting(self.config.denoise_batch_sizes, len(seq_ids))
-        every = (True,) * len(seq_ids)
-        return Batch(Phase.DENOISE, size, tuple(seq_ids), tuple(starts), tuple(tokens), tuple(tables), every, every,
-                     tuple(visible))
+        logits = not self.config.has_denoise_top or any(seq.canvas.needs_logits for seq in chosen)
+        return Batch(Phase.DENOISE, size, tuple(seq_ids), tuple(starts), tuple(tokens), tuple(tables),
+                     (True,) * len(seq_ids), (logits,) * len(seq_ids), tuple(visible))
 
     def _verify_batch(self, drafted: list[Sequence]) -> Batch:
         drafted = sorted(drafted, key=lambda s: (s.request.priority, s.seq_id))[: self.verifier_batch_sizes[-1]]
@@ -149,6 +150,7 @@ class DiffusionScheduler(BaseScheduler):
         rows: dict[int, list[np.ndarray]] = {}
         for seq_id, row_logits in zip(batch.seq_ids, logits):
             rows.setdefault(seq_id, []).append(row_logits)
+        summarized = batch.phase is Phase.DENOISE and not any(batch.full_logits)
         updates = []
         for seq_id, (conditional, *unconditional) in rows.items():
             seq = self._running_by_id.get(seq_id)
@@ -158,9 +160,9 @@ class DiffusionScheduler(BaseScheduler):
             if batch.phase is Phase.VERIFY:
                 canvas.accept(conditional)
             else:
-                canvas.commit(conditional, unconditional[0] if unconditional else None)
+                canvas.commit(conditional, unconditional[0] if unconditional else None, summarized)
                 seq.request.forward_passes += 1
-                if getattr(canvas, "awaiting_verifier", False):
+                if canvas.awaiting_verifier:
                     continue  # an APD draft: the verifier's pass decides what is committed
             new = canvas.tokens[seq.prompt_len + seq.generated : seq.prompt_len + canvas.committed_prefix()].tolist()
             finish = None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -13,9 +12,11 @@ from kiln.export.export_model import build_model
 from kiln.export.options import ExportOptions
 from kiln.models.loader import load_checkpoint
 from kiln.runtime.contract import Artifacts
+from kiln.runtime.diffusion.commit import confidence
 from kiln.runtime.program import Program
 from tests.conftest import run_kiln
-from tests.paged_driver import relative_error
+from tests.diffusion_model import MASK_ID
+from tests.paged_driver import call_ms, relative_error
 
 pytestmark = pytest.mark.e2e
 TOLERANCE = 1e-4
@@ -58,7 +59,9 @@ def test_the_config_records_the_model_kind(tiny_llada_artifacts, tiny_dream_arti
         assert kiln["mask_token_id"] == 4 and kiln["denoise_batch_sizes"] == [1, 4]
         shortfin = json.loads((artifacts / "model.json").read_text())
         assert shortfin["prefill_batch_sizes"] == [] and shortfin["decode_batch_sizes"] == []
-        assert Program(Artifacts.in_directory(artifacts)).functions.keys() == {"denoise_bs1", "denoise_bs4"}
+        assert kiln["denoise_top"] is True
+        functions = Program(Artifacts.in_directory(artifacts)).functions.keys()
+        assert functions == {"denoise_bs1", "denoise_bs4", "denoise_top_bs1", "denoise_top_bs4"}
 
 
 def test_a_full_pass_is_the_bidirectional_forward(exported):
@@ -97,24 +100,37 @@ def test_cached_windows_right_after_a_refresh_equal_the_full_pass(exported):
     assert relative_error(window, full[20:37]) > 1e-2
 
 
+def test_the_greedy_summary_is_what_the_commit_rules_read_from_the_logits(exported):
+    """denoise_top: per position the best token (the mask left out), its probability, the
+    runner-up's and the negative entropy, as runtime.diffusion.commit computes them in float64."""
+    program, model = exported
+    cache = program.allocate_cache(64)
+    tokens = np.random.default_rng(4).integers(5, 384, 41).tolist()
+    args = ([tokens], [0], [41], [[1, 2, 3]])
+    logits = denoise(program, cache, *args, batch=1)[0].copy()
+    summary = program.invoke("denoise_top_bs1", np.array(args[0]), np.array(args[1]), np.array(args[2]),
+                             np.array(args[3]), cache)[0][0]
+    logits[:, MASK_ID] = -np.inf
+    best = logits.argmax(-1)
+    assert np.array_equal(summary[:, 0].astype(int), best)
+    for measure, column in (("top1", summary[:, 1]), ("margin", summary[:, 1] - summary[:, 2]),
+                            ("entropy", summary[:, 3])):
+        np.testing.assert_allclose(column, confidence(logits, best, measure), atol=1e-5)
+
+
 @pytest.mark.parametrize("target,arch", [("cuda", "sm_80"), ("rocm", "gfx942")])
 def test_gpu_targets_compile_denoise_in_place(tiny_llada_artifacts, tmp_path, target, arch):
     out = tmp_path / f"model_{target}.vmfb"
     result = run_kiln("compile-vmfb", str(tiny_llada_artifacts / "model.mlir"), "--target", target, "--arch", arch,
                       "-o", str(out))
-    assert "marked 2 cache argument(s)" in result.stderr  # denoise_bs1, denoise_bs4
+    assert "marked 4 cache argument(s)" in result.stderr  # denoise and denoise_top, bs 1 and 4
     assert out.stat().st_size > 10_000
 
 
 def _denoise_ms(program: Program, pages: int) -> float:
     cache = program.allocate_cache(pages)
-    args = (np.full((1, 20), 5), np.array([0]), np.array([20]), np.array([[1, 2]]), cache)
-    for _ in range(3):
-        program.invoke("denoise_bs1", *args)
-    started = time.perf_counter()
-    for _ in range(20):
-        program.invoke("denoise_bs1", *args)
-    return (time.perf_counter() - started) / 20 * 1000
+    return call_ms(program, "denoise_bs1", (np.full((1, 20), 5), np.array([0]), np.array([20]), np.array([[1, 2]]),
+                                            cache))
 
 
 def test_denoise_updates_the_cache_in_place(tiny_llada_artifacts):

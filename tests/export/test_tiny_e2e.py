@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ from kiln.export.options import ExportOptions
 from kiln.runtime.contract import Artifacts
 from kiln.runtime.program import Program
 from tests.conftest import run_kiln
-from tests.paged_driver import PagedDriver, relative_error
+from tests.paged_driver import PagedDriver, call_ms, relative_error
 
 pytestmark = pytest.mark.e2e
 TOLERANCE = 1e-4
@@ -118,13 +117,8 @@ def test_config_is_shortfin_compatible(tiny_artifacts):
 
 def _decode_ms(program: Program, pages: int) -> float:
     cache = program.allocate_cache(pages)
-    args = (np.array([[3]]), np.array([21]), np.array([20]), np.array([[1, 2]]), cache)
-    for _ in range(3):
-        program.invoke("decode_bs1", *args)
-    started = time.perf_counter()
-    for _ in range(30):
-        program.invoke("decode_bs1", *args)
-    return (time.perf_counter() - started) / 30 * 1000
+    return call_ms(program, "decode_bs1", (np.array([[3]]), np.array([21]), np.array([20]), np.array([[1, 2]]), cache),
+                   repeats=30)
 
 
 def test_cache_is_updated_in_place(program):

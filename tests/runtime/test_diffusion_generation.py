@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-import numpy as np
 import pytest
-import torch
 
 from kiln.export.export_model import build_model
 from kiln.export.options import ExportOptions

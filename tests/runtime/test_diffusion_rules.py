@@ -123,16 +123,16 @@ def test_a_mask_is_never_committed():
     assert canvas.done and canvas.tokens[1:].tolist() == [6, 6]
 
 
-def scheduler(pages=40, sizes=(1, 4), max_running=8):
+def scheduler(pages=40, sizes=(1, 4), max_running=8, has_denoise_top=False):
     pool = PagePool(pages, lambda n: None)
     cache = PlainPagedAttentionCache(pool, 4)
     config = DiffusionSchedulerConfig(denoise_batch_sizes=sizes, block_seq_stride=4, max_running=max_running,
-                                      mask_token_id=MASK, logits_shift=0)
+                                      mask_token_id=MASK, logits_shift=0, has_denoise_top=has_denoise_top)
     return DiffusionScheduler(config, cache, eos_token_ids=[1]), cache
 
 
-def sequence(prompt, priority=0, **diffusion) -> Sequence:
-    params = SamplingParams(max_tokens=8, temperature=0, diffusion=DiffusionParams(**diffusion))
+def sequence(prompt, priority=0, temperature=0.0, **diffusion) -> Sequence:
+    params = SamplingParams(max_tokens=8, temperature=temperature, diffusion=DiffusionParams(**diffusion))
     request = Request(list(prompt), params, f"r{id(params)}", priority=priority)
     seq = Sequence(request, 0)
     request.sequences.append(seq)
@@ -184,3 +184,19 @@ def test_a_stop_token_in_the_committed_prefix_finishes_there():
     [update] = sched.postprocess(batch, [fake_logits(np.array(batch.tokens[0]), {4: 1})])  # EOS at position 4
     assert update.tokens == [5, 5, 1] and update.finish.reason == "stop" and update.finish.stop_token == 1
     assert seq.state is SequenceState.FINISHED and cache.stats().active == 0
+
+
+def test_greedy_batches_read_summaries_and_sampled_ones_read_logits():
+    sched, _ = scheduler(has_denoise_top=True)
+    greedy = sequence([7] * 5)
+    sched.add(greedy)
+    batch = sched.schedule()
+    assert batch.full_logits == (False,)  # denoise_top: four numbers a position
+    summary = np.zeros((len(batch.tokens[0]), 4), np.float32)
+    summary[:, 0], summary[:, 1] = 6, np.linspace(0.9, 0.1, len(summary))
+    sched.postprocess(batch, [summary])
+    assert greedy.canvas.tokens[5] == 6 and greedy.canvas.forward_passes == 1
+    sampled = sequence([7] * 5, temperature=0.7)
+    sched.add(sampled)
+    batch = sched.schedule()
+    assert set(batch.seq_ids) == {greedy.seq_id, sampled.seq_id} and batch.full_logits == (True, True)
