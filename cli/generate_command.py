@@ -6,6 +6,11 @@ import argparse
 import json
 import sys
 
+from kiln.runtime.diffusion.params import CACHE_MODES, CONFIDENCE, REMASKING
+
+# The diffusion flags, by their DiffusionParams field.
+DIFFUSION_FLAGS = ("steps", "block_length", "remasking", "confidence", "threshold", "cache", "cfg_scale")
+
 from .model_args import add_model_arguments, device_name, resolve_artifacts
 
 
@@ -24,6 +29,14 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true")
     group.add_argument("--logprobs", type=int, help="print the chosen token's logprob and this many alternatives")
+    diffusion = parser.add_argument_group("diffusion LMs (LLaDA, Dream): see the README")
+    diffusion.add_argument("--steps", type=int, help="passes of the fixed schedule (default: one token per pass)")
+    diffusion.add_argument("--block-length", type=int, help="semi-autoregressive block (default: 32)")
+    diffusion.add_argument("--remasking", choices=REMASKING)
+    diffusion.add_argument("--confidence", choices=CONFIDENCE)
+    diffusion.add_argument("--threshold", type=float, help="Fast-dLLM parallel decoding: commit every position this sure")
+    diffusion.add_argument("--cache", choices=CACHE_MODES, help="none, prefix or dual (Fast-dLLM's K/V caches)")
+    diffusion.add_argument("--cfg-scale", type=float, help="classifier-free guidance (with --cache none)")
 
 
 def sampling_from_args(args):
@@ -33,8 +46,16 @@ def sampling_from_args(args):
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, seed=args.seed, n=args.n, stop=args.stop,
-        ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+        ignore_eos=args.ignore_eos, logprobs=args.logprobs, diffusion=diffusion_from_args(args),
     )
+
+
+def diffusion_from_args(args):
+    """DiffusionParams from the diffusion flags given, or None (an autoregressive model refuses them)."""
+    from kiln.runtime.diffusion.params import DiffusionParams
+
+    given = {name: getattr(args, name) for name in DIFFUSION_FLAGS if getattr(args, name) is not None}
+    return DiffusionParams(**given) if given else None
 
 
 def run_generate(args) -> int:

@@ -21,8 +21,10 @@ RESULTS = {
     "date": "2026-11-25T10:00:00", "machine": {"cpus": 2}, "model": "SmolLM2 bidirectional",
     "mask_token": {"id": 16, "text": "<empty_output>"}, "repeats": 5,
     "calls_ms": {"denoise_full": {"bs1": 300.0, "bs8": 2400.0}, "denoise_dual": {"bs1": 40.0, "bs8": 200.0},
+                 "denoise_top_full": {"bs1": 250.0, "bs8": 2000.0}, "denoise_top_dual": {"bs1": 30.0, "bs8": 150.0},
                  "decode": {"bs1": 20.0, "bs8": 50.0}},
-    "break_even": {"full": {"bs1": 15.0, "bs8": 48.0}, "dual": {"bs1": 2.0, "bs8": 4.0}},
+    "break_even": {"denoise_full": {"bs1": 15.0, "bs8": 48.0}, "denoise_dual": {"bs1": 2.0, "bs8": 4.0},
+                   "denoise_top_full": {"bs1": 12.5, "bs8": 40.0}, "denoise_top_dual": {"bs1": 1.5, "bs8": 3.0}},
     "tokens_per_forward": {"LLaDA fixed schedule (steps = gen length)": {"tokens": 256, "forward_passes": 256},
                            "Fast-dLLM threshold 0.5, cache dual": {"tokens": 256, "forward_passes": 100}},
     "end_to_end": {"mode": "dual cache", "torch_eager": {"bs1": e2e(4.0, 70), "bs8": e2e(32.0, 560)},
@@ -52,8 +54,9 @@ def test_page_table_gives_rows_their_own_pages_and_pads_with_page_zero():
 
 def test_table_shows_calls_break_even_tokens_per_forward_and_ratios():
     text = render_table(RESULTS)
-    assert "| denoise, full canvas (T=320) | 300.0 | 2400.0 |" in text
-    assert "| break-even tokens/forward, dual block | 2.0 | 4.0 |" in text
+    assert "| denoise, full canvas (T=320) | 300.0 | 2400.0 | 15.0 | 48.0 |" in text
+    assert "| denoise_top, dual-cache block (T=32, keys 320) | 30.0 | 150.0 | 1.5 | 3.0 |" in text
+    assert "| AR decode step (context 320; batch 1 runs decode_bs2) | 20.0 | 50.0 | | |" in text
     assert "| Fast-dLLM threshold 0.5, cache dual | 100 | 2.56 |" in text
     assert "| 1 | 4.00 | 16.0 | 1.00 | 64.0 | 4.00x | 70 / 70 |" in text
     assert "| 8 | 32.00 | 2.0 | 4.00 | 16.0 | 8.00x | 560 / 561 |" in text
