@@ -65,7 +65,7 @@ class OutputProcessor:
         state = self._texts[seq.seq_id]
         token = sample.token_id
         # An EOS or stop token ends the text without being part of it.
-        delta = "" if finish is not None and finish.reason == "stop" else state.detokenizer.add(token)
+        delta = "" if finish is not None and finish.stop_token is not None else state.detokenizer.add(token)
         text, stopped = state.stop_checker.feed(delta)
         reason = "stop" if stopped else (finish.reason if finish else None)
         stop_reason = state.stop_checker.matched if stopped else (finish.stop_token if finish else None)

@@ -89,6 +89,7 @@ class Request:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first sequence)
     forward_passes: int = 0  # a diffusion LM's passes over this request's sequences (its NFE)
     canvas_tokens: int = 0  # a diffusion LM's canvas per sequence: max_tokens rounded up to whole blocks
+    matchers: list = field(default_factory=list, repr=False)  # structured output: one per sequence
 
     @property
     def finished(self) -> bool:
@@ -119,6 +120,8 @@ class Sequence:
         self.preemptions = 0
         self.last_served = 0  # when it was last in a decode batch (the scheduler's counter)
         self.canvas = None  # a diffusion LM's: runtime.diffusion.canvas.Canvas, made when admitted
+        # Structured output: its runtime.grammar.TokenMatcher, which the sampler consults.
+        self.matcher = request.matchers[index] if request.matchers else None
 
     # -- where the sequence stands ------------------------------------------------------
     @property

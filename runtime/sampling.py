@@ -50,6 +50,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # OpenAI's: token id -> a bias added to its logit before sampling (logprobs stay the model's).
     logit_bias: dict[int, float] | None = None
+    # Structured output (runtime.grammar.Constraint): what the text must match, enforced on
+    # the logits at every step.
+    constraint: Any = None
     # A diffusion LM's options (runtime.diffusion.params.DiffusionParams): the service fills
     # in the defaults for a diffusion model and refuses them for an autoregressive one.
     diffusion: Any = None
@@ -280,10 +283,15 @@ class Sampler:
         """One token for each row: logits[i], a float32 row [V], sampled for rows[i]."""
         results = []
         for x, row in zip(logits, rows):
+            matcher = getattr(row, "matcher", None)
+            if matcher is not None:  # structured output: only what the grammar allows next
+                x = matcher.mask_logits(x)
             if self._plain_greedy(row):  # the common case: one argmax, no copies
                 results.append(SampleResult(int(np.argmax(x))))
             else:
                 results.append(self.sample(x, row.params, row.rng, row.output_ids, row.prompt_ids))
+            if matcher is not None:
+                matcher.accept(results[-1].token_id)
         return results
 
     def _plain_greedy(self, row: SamplingRow) -> bool:

@@ -50,7 +50,8 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class Finish:
-    """How a step ended a sequence: "stop" on an EOS or stop token (the token), or "length"."""
+    """How a step ended a sequence: "stop" on an EOS or stop token (the token) or a completed
+    grammar (no token), or "length"."""
 
     reason: str
     stop_token: int | None = None
@@ -243,6 +244,8 @@ class Scheduler(BaseScheduler):
         params = seq.params
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return Finish("stop", token)
+        if seq.matcher is not None and seq.matcher.finished:
+            return Finish("stop")  # the grammar is complete: its last token is part of the text
         if seq.generated >= params.max_tokens or len(seq.tokens) >= self.config.max_seq_len:
             return Finish("length")
         return None

@@ -25,6 +25,7 @@ from .diffusion.checks import check_diffusion_request
 from .diffusion.scheduler import DiffusionScheduler, DiffusionSchedulerConfig
 from .errors import InvalidRequestError, ModelLoadError, NotReadyError, QueueFullError
 from .executor import Executor
+from .grammar import GrammarCompiler, grammar_engine_installed
 from .kvcache.page_pool import PagePool
 from .kvcache.plain_cache import PlainPagedAttentionCache
 from .kvcache.trie_cache import TriePagedAttentionCache
@@ -87,6 +88,8 @@ class GenerateService:
         self.verifier: Program | None = None
         self.verifier_cache: PlainPagedAttentionCache | None = None
         self.verifier_executor: Executor | None = None
+        # Structured output's grammars for this tokenizer; None without llguidance installed.
+        self.grammars: GrammarCompiler | None = None
 
     # -- lifecycle --------------------------------------------------------------------
     async def start(self) -> "GenerateService":
@@ -114,6 +117,8 @@ class GenerateService:
             self.tokenizer_config = json.loads(tokenizer_config_path.read_text())
         self.vocab_size = program.kiln.vocab_size or self.tokenizer.get_vocab_size()
         self.eos_token_ids = list(program.kiln.eos_token_ids) or self._eos_from_tokenizer()
+        if grammar_engine_installed() and not program.capabilities.is_diffusion:
+            self.grammars = GrammarCompiler(tokenizer_path.read_text(), self.vocab_size, self.eos_token_ids)
 
         page_bytes = params.page_elems * program.cache_dtype.itemsize
         page_count = config.page_count or params.paged_kv_cache.device_block_count
@@ -294,6 +299,8 @@ class GenerateService:
                 f"tokens + {total - len(prompt_ids)} generated tokens were requested", param="max_tokens",
             )
         self.check_token_ids(prompt_ids)
+        if params.constraint is not None:
+            self._check_constraint(params)
         if params.prompt_logprobs is not None and not self.program.capabilities.every_position_logits:
             raise InvalidRequestError("prompt logprobs need every position's logits: this export's prefill "
                                       "returns the last", param="prompt_logprobs")
@@ -307,6 +314,17 @@ class GenerateService:
                 f"the request needs {pages} KV-cache pages and the cache has {self.pool.total}: "
                 "lower max_tokens or start the server with a larger cache", param="max_tokens",
             )
+
+    def _check_constraint(self, params: SamplingParams) -> None:
+        param = params.constraint.param
+        if self.is_diffusion:
+            raise InvalidRequestError("structured output is not available for diffusion models", param=param)
+        if self.grammars is None:
+            raise InvalidRequestError("structured output needs the grammar engine: pip install 'kiln[structured]'",
+                                      param=param)
+        if params.min_tokens:
+            raise InvalidRequestError("min_tokens cannot hold back the end of a structured output", param="min_tokens")
+        self.grammars.grammar(params.constraint)  # compiled once, checked: a 400 naming the field
 
     async def generate(
         self,
@@ -328,6 +346,8 @@ class GenerateService:
         request = Request(list(prompt_ids), params, request_id or uuid.uuid4().hex, priority=priority)
         if params.diffusion is not None:
             request.canvas_tokens = params.diffusion.plan(params.max_tokens).canvas_length
+        if params.constraint is not None:  # before the batcher can step: each sequence its own matcher
+            request.matchers = [self.grammars.matcher(params.constraint) for _ in range(params.n)]
         try:
             self.batcher.submit(request)
         except ValueError as error:

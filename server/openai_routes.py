@@ -189,9 +189,6 @@ class CompletionView:
 async def chat_prompt(service: GenerateService, body: ChatCompletionRequest, settings: ServerSettings) -> list[int]:
     if body.tools or body.functions:
         raise InvalidRequestError("tools and function calling are not supported", param="tools")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise InvalidRequestError(f"response_format {body.response_format.type!r} is not supported: only text",
-                                  param="response_format")
     return await chat_ids(service, body.messages, settings.chat_template, settings.max_prompt_chars,
                           body.add_special_tokens, body.add_generation_prompt, body.chat_template_kwargs)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kiln.runtime.diffusion.params import DiffusionParams
 from kiln.runtime.errors import InvalidRequestError
+from kiln.runtime.grammar import KINDS, Constraint
 from kiln.runtime.sampling import MAX_LOGPROBS, SamplingParams
 
 from .protocol import DiffusionFields, OpenAISampling, ShortfinSamplingParams
@@ -57,6 +58,50 @@ def _one_of(body: DiffusionFields, name: str, alias: str):
     return value if value is not None else other
 
 
+def openai_constraint(body: OpenAISampling) -> Constraint | None:
+    """The one structured-output constraint a request asks for, in OpenAI's or vLLM's words."""
+    given = []
+    response_format = body.response_format
+    if response_format is not None and response_format.type != "text":
+        if response_format.type == "json_object":
+            given.append(Constraint.of("json_object", None, "response_format"))
+        elif response_format.type == "json_schema":
+            schema = (response_format.json_schema or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise InvalidRequestError("response_format json_schema needs a `schema` object",
+                                          param="response_format")
+            given.append(Constraint.of("json", schema, "response_format"))
+        else:
+            raise InvalidRequestError(f"response_format type must be text, json_object or json_schema, got "
+                                      f"{response_format.type!r}", param="response_format")
+    for kind, name in (("json", "guided_json"), ("regex", "guided_regex"), ("choice", "guided_choice"),
+                       ("grammar", "guided_grammar")):
+        if getattr(body, name) is not None:
+            given.append(Constraint.of(kind, getattr(body, name), name))
+    for kind, value in (body.structured_outputs or {}).items():
+        if kind not in KINDS:
+            raise InvalidRequestError(f"structured_outputs takes one of {', '.join(KINDS)}, got {kind!r}",
+                                      param="structured_outputs")
+        if value is not None and value is not False:
+            given.append(Constraint.of(kind, value, "structured_outputs"))
+    return only_one(given)
+
+
+def shortfin_constraint(sp: ShortfinSamplingParams) -> Constraint | None:
+    """SGLang's json_schema, regex and ebnf fields of /generate's sampling_params."""
+    given = [Constraint.of(kind, getattr(sp, name), name)
+             for kind, name in (("json", "json_schema"), ("regex", "regex"), ("grammar", "ebnf"))
+             if getattr(sp, name) is not None]
+    return only_one(given)
+
+
+def only_one(given: list[Constraint]) -> Constraint | None:
+    if len(given) > 1:
+        raise InvalidRequestError(f"give one structured-output constraint, not {len(given)} "
+                                  f"({', '.join(c.param for c in given)})", param=given[1].param)
+    return given[0] if given else None
+
+
 def openai_params(body: OpenAISampling, max_tokens: int, logprobs: int | None = None,
                   prompt_logprobs: int | None = None, diffusion_model: bool = False) -> SamplingParams:
     # A diffusion LM denoises greedily unless asked (LLaDA's and Fast-dLLM's default).
@@ -81,6 +126,7 @@ def openai_params(body: OpenAISampling, max_tokens: int, logprobs: int | None = 
         prompt_logprobs=prompt_logprobs,
         logit_bias=logit_bias(body.logit_bias),
         diffusion=diffusion_params(body, diffusion_model),
+        constraint=openai_constraint(body),
     )
 
 
@@ -111,4 +157,5 @@ def shortfin_params(sp: ShortfinSamplingParams, diffusion_model: bool = False) -
         ignore_eos=sp.ignore_eos,
         skip_special_tokens=sp.skip_special_tokens,
         diffusion=diffusion_params(sp, diffusion_model),
+        constraint=shortfin_constraint(sp),
     )

@@ -38,6 +38,15 @@ class DiffusionFields(BaseModel):
     apd_max_lookahead: int | None = None
 
 
+class ResponseFormat(BaseModel):
+    """OpenAI's: {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = "text"
+    json_schema: dict[str, Any] | None = None
+
+
 class OpenAISampling(DiffusionFields):
     """What /v1/completions and /v1/chat/completions share, with vLLM's extra sampling fields."""
 
@@ -65,6 +74,14 @@ class OpenAISampling(DiffusionFields):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     priority: int = 0
+    # Structured output: OpenAI's response_format, and vLLM's guided_* and structured_outputs.
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted; Kiln has one engine
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(OpenAISampling):
@@ -85,18 +102,11 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    type: str = "text"
-
-
 class ChatCompletionRequest(OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -128,6 +138,10 @@ class ShortfinSamplingParams(DiffusionFields):
     frequency_penalty: float | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # SGLang's structured output fields.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class GenerateRequest(BaseModel):

@@ -112,6 +112,7 @@ def test_generate_route_and_websocket(llada_server):
     ({"steps": 16, "num_denoising_steps": 8}, "num_denoising_steps"),
     ({"apd_mixture_weight": 0.5}, "apd_mixture_weight"),
     ({"max_tokens": 1000}, "max_tokens"),
+    ({"guided_regex": "a+"}, "guided_regex"),
 ])
 def test_what_makes_no_sense_is_a_400_naming_the_field(llada_server, extra, param):
     body = {"model": "llada", "prompt": "Hello", "max_tokens": 16, **extra}
