@@ -13,6 +13,7 @@ from pathlib import Path
 
 from kiln.runtime.service_config import PREFIX_SHARING, ServiceConfig
 from kiln.server.settings import ServerSettings
+from kiln.server.tool_calls import PARSERS
 
 from .model_args import add_model_arguments, device_name, resolve_artifacts
 
@@ -48,6 +49,9 @@ def add_command(commands) -> None:
     server.add_argument("--served-model-name", nargs="+", metavar="NAME",
                         help="name(s) the API answers to (default: the model's)")
     server.add_argument("--chat-template", metavar="F", help="a Jinja chat template file (or the template itself)")
+    server.add_argument("--tool-call-parser", choices=PARSERS, default=settings.tool_call_parser,
+                        help="how the model writes tool calls: hermes (<tool_call> JSON), llama3_json, or "
+                        "auto (from the chat template; default)")
     server.add_argument("--api-key", action="append", default=[], metavar="KEY",
                         help="require 'Authorization: Bearer KEY' (repeatable; also $KILN_API_KEY)")
     server.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
@@ -134,11 +138,14 @@ def default_model_names(args, artifacts) -> list[str]:
 def read_chat_template(value: str | None) -> str | None:
     if value is None:
         return None
-    path = Path(value)
-    if path.is_file():
-        return path.read_text()
-    if "{{" in value or "{%" in value:
+    if "{{" in value or "{%" in value:  # the template itself (too long to be a file name, often)
         return value
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:
+        pass
     from kiln.runtime.chat import ChatTemplateError
 
     raise ChatTemplateError(f"chat template file {value} does not exist")
@@ -160,6 +167,7 @@ def run_serve(args) -> int:
         port=args.port,
         served_model_names=tuple(default_model_names(args, artifacts)),
         chat_template=read_chat_template(args.chat_template),
+        tool_call_parser=args.tool_call_parser,
         api_keys=tuple(k.strip() for k in api_keys),
         cors_origins=tuple(args.cors_origin),
         rate_limit=args.rate_limit,

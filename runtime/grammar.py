@@ -24,7 +24,7 @@ from .errors import InvalidRequestError
 
 # The kinds a request may ask for, as llguidance's grammar_from() names the formats.
 KINDS = {"json": "json_schema", "json_object": "json_schema", "regex": "regex", "choice": "choice",
-         "grammar": "grammar"}
+         "grammar": "grammar", "lark": "lark"}
 _ANY_JSON_OBJECT = '{"type": "object"}'
 
 

@@ -6,6 +6,7 @@ official SDK and tools built on it (lm-eval's local-completions among them) work
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,9 +22,11 @@ from .generation import Choice, Generation, admit, rest_of_context
 from .logprobs import TokenText, chat_logprobs, completion_logprobs, join_completion_logprobs
 from .params import check_logprobs, openai_params
 from .prompts import chat_ids, encode
-from .protocol import ChatCompletionRequest, CompletionRequest, OpenAISampling
+from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAISampling
 from .settings import ServerSettings
 from .streaming import DONE, EventStream, sse, unless_disconnected
+from .tool_calls import StreamedContent, Tools, choose_parser
+from .tool_calls import parse as parse_tool_calls
 
 router = APIRouter()
 
@@ -186,11 +189,30 @@ class CompletionView:
 
 
 # -- /v1/chat/completions -------------------------------------------------------------------
-async def chat_prompt(service: GenerateService, body: ChatCompletionRequest, settings: ServerSettings) -> list[int]:
-    if body.tools or body.functions:
-        raise InvalidRequestError("tools and function calling are not supported", param="tools")
-    return await chat_ids(service, body.messages, settings.chat_template, settings.max_prompt_chars,
-                          body.add_special_tokens, body.add_generation_prompt, body.chat_template_kwargs)
+async def chat_prompt(service: GenerateService, body: ChatCompletionRequest, settings: ServerSettings,
+                      tools: Tools | None) -> list[int]:
+    if body.functions:
+        raise InvalidRequestError("functions is OpenAI's deprecated form: pass tools", param="functions")
+    kwargs, messages = dict(body.chat_template_kwargs or {}), list(body.messages)
+    if tools is not None and tools.active:
+        kwargs["tools"] = list(tools.declared)
+        if "tools" not in chat_template_of(service, settings):  # a template that cannot show them
+            messages.insert(0, ChatMessage(role="system", content=tool_instructions(tools)))
+    return await chat_ids(service, messages, settings.chat_template, settings.max_prompt_chars,
+                          body.add_special_tokens, body.add_generation_prompt, kwargs)
+
+
+def chat_template_of(service: GenerateService, settings: ServerSettings) -> str:
+    template = settings.chat_template or service.tokenizer_config.get("chat_template") or ""
+    return template if isinstance(template, str) else json.dumps(template)
+
+
+def tool_instructions(tools: Tools) -> str:
+    """The tools as Hermes-style templates describe them, for a template with no `tools` of its own."""
+    listed = "\n".join(json.dumps(tool) for tool in tools.declared)
+    return ("You may call one or more functions. The functions are, as JSON schemas:\n<tools>\n" + listed +
+            "\n</tools>\nTo call one, reply with <tool_call>{\"name\": <function-name>, \"arguments\": "
+            "<args-json-object>}</tool_call>.")
 
 
 @router.post("/v1/chat/completions")
@@ -199,29 +221,44 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
     logprobs = check_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
-    prompt = await chat_prompt(service, body, settings)
+    tools = Tools.of(body.tools, body.tool_choice)
+    parser = choose_parser(settings.tool_call_parser, chat_template_of(service, settings))
+    prompt = await chat_prompt(service, body, settings, tools)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
         max_tokens = rest_of_context(service, prompt)
     params = openai_params(body, max_tokens, logprobs, diffusion_model=service.is_diffusion)
+    forced = tools.constraint(parser) if tools is not None else None
+    if forced is not None:  # tool_choice required or named: the call's grammar
+        if params.constraint is not None:
+            raise InvalidRequestError("tool_choice forcing a call cannot be combined with another "
+                                      "structured-output constraint", param="tool_choice")
+        params.constraint = forced
+    parser = parser if tools is not None and tools.active else None
     chat_id = f"chatcmpl-{uuid.uuid4().hex}"
     generation = Generation(service, state.metrics, [prompt], [params], [chat_id], body.priority).submit()
     header = {"id": chat_id, "created": int(time.time()), "model": body.model or settings.model_name,
               "system_fingerprint": None}
     token_text = state.token_text
     if body.stream:
-        return EventStream(stream_chat(generation, body, header, token_text, logprobs, request.url.path),
+        return EventStream(stream_chat(generation, body, header, token_text, logprobs, request.url.path, parser),
                            on_close=generation.abort)
     [result] = await unless_disconnected(request, generation.collect())
     choices = []
     for j, choice in enumerate(result.choices):
         if (error := failure_of(choice)) is not None:
             raise error
+        message, finish = {"role": "assistant", "content": choice.text}, choice.finish_reason
+        if parser is not None:
+            content, calls = parse_tool_calls(choice.text, parser)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": [c.to_json() for c in calls]}
+                finish = "tool_calls"
         choices.append({
             "index": j,
-            "message": {"role": "assistant", "content": choice.text},
+            "message": message,
             "logprobs": chat_logprobs(token_text, choice.logprobs) if logprobs is not None else None,
-            "finish_reason": choice.finish_reason,
+            "finish_reason": finish,
             "stop_reason": choice.stop_reason,
         })
     return JSONResponse({**header, "object": "chat.completion", "choices": choices,
@@ -229,12 +266,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
 
 async def stream_chat(generation: Generation, body: ChatCompletionRequest, header: dict, token_text: TokenText,
-                      logprobs: int | None, path: str) -> AsyncIterator[bytes]:
+                      logprobs: int | None, path: str, parser: str | None = None) -> AsyncIterator[bytes]:
     def chunk(choices: list[dict], **extra) -> bytes:
         return sse({**header, "object": "chat.completion.chunk", "choices": choices, **extra})
 
     yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                  for j in range(body.n)])
+    # With tools, text that may be a call is held back and sent as delta.tool_calls at the end.
+    held = {j: StreamedContent(parser) for j in range(body.n)} if parser is not None else None
     events = generation.events()
     try:
         async for _, event in events:
@@ -242,11 +281,22 @@ async def stream_chat(generation: Generation, body: ChatCompletionRequest, heade
                 yield sse(error_body(path, error))
                 break
             scored = chat_logprobs(token_text, event.logprobs) if logprobs is not None and event.logprobs else None
-            if not event.text and scored is None and not event.finish_reason:
+            text, finish = event.text, event.finish_reason
+            delta: dict = {}
+            if held is not None:
+                text = held[event.index].feed(text)
+                if finish:
+                    tail, calls = held[event.index].finish()
+                    text += tail
+                    if calls:
+                        delta["tool_calls"] = [{"index": i, **call.to_json()} for i, call in enumerate(calls)]
+                        finish = "tool_calls"
+            if text:
+                delta["content"] = text
+            if not delta and scored is None and not finish:
                 continue
-            yield chunk([{"index": event.index, "delta": {"content": event.text} if event.text else {},
-                          "logprobs": scored, "finish_reason": event.finish_reason,
-                          "stop_reason": event.stop_reason if event.finish_reason else None}])
+            yield chunk([{"index": event.index, "delta": delta, "logprobs": scored, "finish_reason": finish,
+                          "stop_reason": event.stop_reason if finish else None}])
         else:
             if include_usage(body):
                 yield chunk([], usage=generation.usage().to_json())

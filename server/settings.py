@@ -15,6 +15,7 @@ class ServerSettings:
     # Names the /v1 routes answer to; the first is the one /v1/models lists first.
     served_model_names: tuple[str, ...] = ("kiln",)
     chat_template: str | None = None  # overrides tokenizer_config.json's
+    tool_call_parser: str = "auto"  # how tool calls are written: server/tool_calls.py's PARSERS
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     cors_origins: tuple[str, ...] = ()
     rate_limit: float = 0.0  # requests per second per API key (or client address); 0: off

@@ -68,7 +68,7 @@ def test_bad_completions(tiny_server, body, fragment, param):
     ({"messages": [{"content": "no role"}]}, "role", None),
     ({"messages": CHAT, "top_logprobs": 2}, "logprobs", "top_logprobs"),
     ({"messages": CHAT, "logprobs": True, "top_logprobs": 50}, "top_logprobs", "top_logprobs"),
-    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools"),
+    ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools", "tools"),
     ({"messages": CHAT, "response_format": {"type": "xml"}}, "response_format", "response_format"),
     ({"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema",
      "response_format"),
