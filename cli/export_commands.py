@@ -47,6 +47,9 @@ def add_export_options(parser: argparse.ArgumentParser) -> None:
                         "a batch of 2 decodes one sequence faster than 1)")
     parser.add_argument("--bs-denoise", type=_batch_sizes, default=defaults.denoise_batch_sizes,
                         help=f"denoise batch sizes of a diffusion LM (default: {sizes(map(str, defaults.denoise_batch_sizes))})")
+    parser.add_argument("--denoise-top", action="store_true",
+                        help="a diffusion LM also exports denoise_top_bs<N> (per-position greedy summaries instead "
+                        "of [N, T, V] logits), which greedy batches then call")
     parser.add_argument("--block-seq-stride", type=_positive_int, default=defaults.block_seq_stride,
                         help="tokens per KV-cache page (default: %(default)s)")
     parser.add_argument("--device-block-count", type=_positive_int, default=defaults.device_block_count,
@@ -76,6 +79,7 @@ def options_from_args(args) -> ExportOptions:
         prefill_batch_sizes=tuple(args.bs_prefill),
         decode_batch_sizes=tuple(args.bs_decode),
         denoise_batch_sizes=tuple(args.bs_denoise),
+        denoise_top_functions=args.denoise_top,
         has_prefill_position=not args.no_prefill_position,
         prefill_last_functions=not args.no_prefill_last,
         **{name: getattr(args, name) for name in _SAME_NAMED},

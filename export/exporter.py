@@ -50,12 +50,14 @@ def greedy_summary(logits, mask_token_id: int):
     """[N, T, 4] from logits [N, T, V]: the most likely token (a float: exact below 2^24), its
     probability, the runner-up's, and sum(p log p), the mask token left out, as the runtime's
     commit rules compute them from full logits."""
-    vocab = logits.shape[-1]
-    masked = (torch.arange(vocab) == mask_token_id).float() * MASKED_SCORE
-    probs = torch.softmax(logits + masked, dim=-1)
-    top, ids = torch.topk(probs, 2, dim=-1)
+    vocab = torch.arange(logits.shape[-1])
+    probs = torch.softmax(logits + (vocab == mask_token_id).float() * MASKED_SCORE, dim=-1)
+    # Two max-reductions rather than topk: IREE's llvm-cpu topk walks the vocabulary one
+    # element at a time, a reduction vectorizes. The runner-up is the best of the rest.
+    top1, best = probs.max(dim=-1, keepdim=True)
+    top2 = torch.where(vocab == best, -1.0, probs).amax(dim=-1, keepdim=True)
     negative_entropy = (probs * torch.log(probs + 1e-10)).sum(dim=-1, keepdim=True)
-    return torch.cat([ids[..., :1].float(), top, negative_entropy], dim=-1)
+    return torch.cat([best.float(), top1, top2, negative_entropy], dim=-1)
 
 
 def abi_functions(options: ExportOptions, final_only: bool) -> dict[FunctionKind, object]:

@@ -20,7 +20,9 @@ class ExportOptions:
     denoise_batch_sizes: tuple[int, ...] = (1, 4)
     # Also export denoise_top_bs<N>: the pass reduced to [N, T, 4] per-position summaries,
     # which the runtime calls when every row of a batch is greedy (no [N, T, V] copy out).
-    denoise_top_functions: bool = True
+    # Off by default: on the CPU the logits are in host memory already, and the reduction
+    # costs passes over [N, T, V] of its own (benchmarks/README.md, "Diffusion LMs").
+    denoise_top_functions: bool = False
     block_seq_stride: int = 16
     device_block_count: int = 256
     max_seq_len: int = 0  # 0: the model's context length, capped at 8192

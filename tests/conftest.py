@@ -78,8 +78,9 @@ def tiny_gguf_artifacts(tiny_gguf, tmp_path_factory) -> Path:
     return _export_and_compile(tiny_gguf, tmp_path_factory.mktemp("tiny-gguf-artifacts"))
 
 
-# The diffusion LMs' export: denoise sizes 1 and 4 (guidance takes two rows), the tiny context.
-DIFFUSION_EXPORT_ARGS = ["--bs-denoise", "1,4", "--block-seq-stride", "16", "--max-seq-len", "256",
+# The diffusion LMs' export: denoise sizes 1 and 4 (guidance takes two rows), the greedy summaries
+# too (so both paths run), the tiny context.
+DIFFUSION_EXPORT_ARGS = ["--bs-denoise", "1,4", "--denoise-top", "--block-seq-stride", "16", "--max-seq-len", "256",
                          "--device-block-count", "64"]
 
 
