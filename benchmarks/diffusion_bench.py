@@ -76,15 +76,17 @@ def break_even(denoise_ms: float, decode_ms: float) -> float:
     return denoise_ms / decode_ms
 
 
+def timed(fn) -> tuple[float, object]:
+    """(seconds, result) of one call of `fn`."""
+    started = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - started, result
+
+
 def median_ms(fn, repeats: int) -> float:
     """Median wall time of `fn` after one warm-up call."""
     fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
+    return statistics.median(timed(fn)[0] for _ in range(repeats)) * 1e3
 
 
 # -- children: everything that needs torch ------------------------------------------------
@@ -100,21 +102,22 @@ def diffusion_checkpoint():
     return checkpoint
 
 
-def export_options():
+def export_options(denoise_top: bool = False):
     from kiln.export.options import ExportOptions
 
     # 8 rows of the whole 512-token context, page 0 being reserved.
-    return ExportOptions(denoise_batch_sizes=BATCHES, max_seq_len=512, device_block_count=8 * 512 // 16 + 1)
+    return ExportOptions(denoise_batch_sizes=BATCHES, max_seq_len=512, device_block_count=8 * 512 // 16 + 1,
+                         denoise_top_functions=denoise_top)
 
 
-def export_bidirectional(work_dir: Path) -> Path:
+def export_bidirectional(work_dir: Path, denoise_top: bool) -> Path:
     """Export and compile (cpu) the bidirectional SmolLM2 into a directory keyed by its inputs; reuse it."""
     from kiln.export.build import artifacts_key
     from kiln.export.compile import compile_vmfb
     from kiln.export.export_model import export_model
     from kiln.runtime.contract import CONFIG_FILE, MLIR_FILE, vmfb_file
 
-    options = export_options()
+    options = export_options(denoise_top)
     directory = work_dir / artifacts_key(None, options, {"diffusion_mask": MASK_TOKEN_ID})
     if not (directory / CONFIG_FILE).exists():
         export_model(diffusion_checkpoint(), options, directory, log=log)
@@ -171,13 +174,9 @@ def timed_batches(run, counts, repeats: int) -> dict:
     run(prompts[:1])
     out = {}
     for batch in BATCHES:
-        times, results = [], None
-        for _ in range(repeats):
-            started = time.perf_counter()
-            results = run(prompts[:batch])
-            times.append(time.perf_counter() - started)
-        tokens, passes = (sum(values) for values in zip(*map(counts, results)))
-        seconds = statistics.median(times)
+        runs = [timed(lambda: run(prompts[:batch])) for _ in range(repeats)]
+        seconds = statistics.median(elapsed for elapsed, _ in runs)
+        tokens, passes = (sum(values) for values in zip(*map(counts, runs[-1][1])))
         out[f"bs{batch}"] = {"seconds": seconds, "tokens": tokens, "forward_passes": passes,
                              "tokens_per_s": tokens / seconds}
     return out
@@ -202,7 +201,8 @@ def call_timings(diffusion_dir: Path, ar_dir: Path, repeats: int) -> dict:
     seq_len = PROMPT + CANVAS
     denoiser, decoder = Program(Artifacts.in_directory(diffusion_dir)), Program(Artifacts.in_directory(ar_dir))
     stride = denoiser.params.paged_kv_cache.block_seq_stride
-    out = {f"{function}_{shape}": {} for function in DENOISE_FUNCTIONS for shape in ("full", "dual")}
+    functions = [f for f in DENOISE_FUNCTIONS if f"{f}_bs{BATCHES[0]}" in denoiser.functions]
+    out = {f"{function}_{shape}": {} for function in functions for shape in ("full", "dual")}
     out["decode"] = {}
     for batch in BATCHES:
         table = page_table(batch, seq_len, stride)
@@ -212,7 +212,7 @@ def call_timings(diffusion_dir: Path, ar_dir: Path, repeats: int) -> dict:
         shapes = {"full": (tokens, np.zeros(batch, np.int64), lens, table, cache),
                   "dual": (tokens[:, DUAL_BLOCK_START : DUAL_BLOCK_START + BLOCK], np.full(batch, DUAL_BLOCK_START),
                            lens, table, cache)}
-        for function in DENOISE_FUNCTIONS:
+        for function in functions:
             for shape, args in shapes.items():
                 name = f"{function}_bs{batch}"
                 out[f"{function}_{shape}"][f"bs{batch}"] = median_ms(lambda: denoiser.invoke(name, *args), repeats)
@@ -245,11 +245,14 @@ def kiln_end_to_end(diffusion_dir: Path, repeats: int) -> dict:
                 tokens += len(event.token_ids)
             return tokens, request.forward_passes
 
+        async def batch(prompts):
+            return await asyncio.gather(*map(one, prompts))
+
         def run(prompts):  # timed_batches calls this from a worker thread
-            return asyncio.run_coroutine_threadsafe(asyncio.gather(*map(one, prompts)), loop).result()
+            return asyncio.run_coroutine_threadsafe(batch(prompts), loop).result()
 
         try:
-            await asyncio.gather(*map(one, e2e_prompts()))  # warm up the batch of 8 too
+            await batch(e2e_prompts())  # warm up the batch of 8 too
             return await loop.run_in_executor(None, timed_batches, run, lambda r: r, repeats)
         finally:
             await service.stop()
@@ -265,11 +268,12 @@ def child(step: str, *args: str):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(work_dir: Path, repeats: int, e2e_repeats: int) -> dict:
+def measure(work_dir: Path, repeats: int, e2e_repeats: int, denoise_top: bool) -> dict:
+    load = os.getloadavg()[0]
     with heavy_lock():
         log("building SmolLM2's AR artifacts (as kiln serve does) and its bidirectional export")
         ar_dir = build_artifacts("float32")
-        diffusion_dir = Path(child("export", str(work_dir)))
+        diffusion_dir = Path(child("export", str(work_dir), str(int(denoise_top))))
         log("tokens per forward on the tiny LLaDA")
         tiny = child("tiny")
         log("torch eager end to end")
@@ -283,7 +287,8 @@ def measure(work_dir: Path, repeats: int, e2e_repeats: int) -> dict:
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
         "model": "SmolLM2-135M-Instruct (bundled, Q4_1 dequantized), float32, exported bidirectionally",
         "mask_token": {"id": MASK_TOKEN_ID, "text": "<empty_output>"},
-        "repeats": repeats, "e2e_repeats": e2e_repeats, "torch_threads": 2,
+        "repeats": repeats, "e2e_repeats": e2e_repeats, "torch_threads": 2, "denoise_top": denoise_top,
+        "load_average": {"before": load, "after": os.getloadavg()[0]},  # another job's load skews every figure
         "calls_ms": calls,
         "break_even": {call: {bs: break_even(ms, calls["decode"][bs]) for bs, ms in figures.items()}
                        for call, figures in calls.items() if call != "decode"},
@@ -296,12 +301,13 @@ def measure(work_dir: Path, repeats: int, e2e_repeats: int) -> dict:
 def render_table(results: dict) -> str:
     calls, even, e2e = results["calls_ms"], results["break_even"], results["end_to_end"]
     lines = [
-        f"Measured {results['date']} on {results['machine']['cpus']} CPUs; {results['model']} "
-        f"(mask token {results['mask_token']['text']}, id {results['mask_token']['id']}).",
+        f"Measured {results['date']} on {results['machine']['cpus']} CPUs (load average "
+        f"{results['load_average']['before']:.1f} before, {results['load_average']['after']:.1f} after); "
+        f"{results['model']} (mask token {results['mask_token']['text']}, id {results['mask_token']['id']}).",
         "",
         f"Per call (median ms of {results['repeats']}, host time and the copy of the results included; prompt "
-        f"{PROMPT}, canvas {CANVAS}). denoise returns logits [N, T, V] (what a sampled request reads), denoise_top "
-        "the [N, T, 4] summary a greedy one reads; break-even: the tokens a row must commit per forward to match AR "
+        f"{PROMPT}, canvas {CANVAS}). denoise returns logits [N, T, V]; denoise_top (--denoise-top) the [N, T, 4] "
+        "summary a greedy request reads. Break-even: the tokens a row must commit per forward to match AR "
         "decode's tokens/s per row:",
         "",
         "| call | batch 1 | batch 8 | break-even tokens/forward, batch 1 | batch 8 |",
@@ -327,8 +333,8 @@ def render_table(results: dict) -> str:
         lines.append(f"| {name} | {row['forward_passes']} | {row['tokens'] / row['forward_passes']:.2f} |")
     lines += [
         "",
-        f"End to end ({e2e['mode']}, greedy: Kiln calls denoise_top; torch eager runs the requests one after "
-        "another, Kiln all at once):",
+        f"End to end ({e2e['mode']}, greedy: Kiln calls {'denoise_top' if results['denoise_top'] else 'denoise'}; "
+        "torch eager runs the requests one after another, Kiln all at once):",
         "",
         "| requests | torch eager s | torch tok/s | Kiln s | Kiln tok/s | Kiln / torch | passes torch / Kiln |",
         "|---:|---:|---:|---:|---:|---:|---:|",
@@ -349,6 +355,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="where the bidirectional export is built and kept (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per figure, after a warm-up")
     parser.add_argument("--e2e-repeats", type=int, default=2, help="timed end-to-end runs per figure")
+    parser.add_argument("--denoise-top", action="store_true",
+                        help="also export and time denoise_top_bs<N>, which greedy requests then call (Kiln "
+                             "exports it only on request)")
     parser.add_argument("--output", type=Path, help="results file (default: benchmarks/results/diffusion-<date>.json)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -358,11 +367,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
         step, *rest = args.child
-        steps = {"export": lambda d: str(export_bidirectional(Path(d))), "tiny": tokens_per_forward,
+        steps = {"export": lambda d, top: str(export_bidirectional(Path(d), top == "1")), "tiny": tokens_per_forward,
                  "torch": lambda n: torch_end_to_end(int(n))}
         print(json.dumps(steps[step](*rest)))
         return 0
-    results = measure(args.work_dir, args.repeats, args.e2e_repeats)
+    results = measure(args.work_dir, args.repeats, args.e2e_repeats, args.denoise_top)
     output = args.output or RESULTS_DIR / f"diffusion-{datetime.date.today().isoformat()}.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(results, indent=2) + "\n")
