@@ -224,7 +224,6 @@ def call_timings(diffusion_dir: Path, ar_dir: Path, repeats: int) -> dict:
                 decoder.allocate_cache(table.size + 1))
         step[0][:batch], step[1][:batch], step[2][:batch] = rng.integers(100, 32000, (batch, 1)), seq_len + 1, seq_len
         out["decode"][f"bs{batch}"] = median_ms(lambda: decoder.invoke(f"decode_bs{size}", *step), 4 * repeats)
-        del step
     return out
 
 

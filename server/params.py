@@ -31,7 +31,7 @@ def logit_bias(given: dict[str, float] | None) -> dict[int, float] | None:
 
 def diffusion_params(body: DiffusionFields, diffusion_model: bool) -> DiffusionParams | None:
     """The request's diffusion options, aliases resolved; None when it gives none. Given to
-    an autoregressive model they are refused (by the service, naming the field)."""
+    an autoregressive model they are refused here, naming the field."""
     steps = _one_of(body, "steps", "num_denoising_steps")
     threshold = _one_of(body, "threshold", "confidence_threshold")
     if body.parallel_decoding and threshold is None:
