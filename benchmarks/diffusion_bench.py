@@ -1,5 +1,7 @@
-"""Diffusion LMs on Kiln: what a denoise call costs beside an AR decode step, how many
-tokens each mode commits per forward, and the same algorithm end to end, torch eager vs Kiln.
+"""Diffusion LMs on Kiln: denoise cost beside AR decode, tokens per forward, torch vs Kiln end to end.
+
+What a denoise call costs beside an AR decode step, how many tokens each mode commits per
+forward, and the same algorithm end to end, torch eager against Kiln's compiled path.
 
     python -m benchmarks.diffusion_bench [--work-dir DIR] [--repeats 5]
 
@@ -41,7 +43,7 @@ MASK_TOKEN_ID = 16  # SmolLM2's <empty_output>
 PROMPT, CANVAS, BLOCK = 64, 256, 32  # the call timings: a 64-token prompt, a 256-token canvas
 DUAL_BLOCK_START = PROMPT + 4 * BLOCK  # a block mid-canvas (the cost is the same for any block)
 BATCHES = (1, 8)
-# denoise returns logits [N, T, V] (sampled requests); denoise_top the [N, T, 4] summary a greedy commit reads.
+# denoise returns logits [N, T, V]; denoise_top (exported on request) the [N, T, 4] summary a greedy commit reads.
 DENOISE_FUNCTIONS = ("denoise", "denoise_top")
 E2E_TOKENS = 64
 E2E_MODE = DiffusionParams(block_length=BLOCK, threshold=0.9, cache="dual")
@@ -356,7 +358,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--e2e-repeats", type=int, default=2, help="timed end-to-end runs per figure")
     parser.add_argument("--denoise-top", action="store_true",
                         help="also export and time denoise_top_bs<N>, which greedy requests then call (Kiln "
-                             "exports it only on request)")
+                             "exports it only on request; measured 20-40x slower than denoise on CPU: benchmarks/README.md)")
     parser.add_argument("--output", type=Path, help="results file (default: benchmarks/results/diffusion-<date>.json)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     return parser.parse_args(argv)

@@ -49,7 +49,7 @@ def add_export_options(parser: argparse.ArgumentParser) -> None:
                         help=f"denoise batch sizes of a diffusion LM (default: {sizes(map(str, defaults.denoise_batch_sizes))})")
     parser.add_argument("--denoise-top", action="store_true",
                         help="a diffusion LM also exports denoise_top_bs<N> (per-position greedy summaries instead "
-                        "of [N, T, V] logits), which greedy batches then call")
+                        "of [N, T, V] logits), which greedy batches then call; far slower on the CPU today")
     parser.add_argument("--block-seq-stride", type=_positive_int, default=defaults.block_seq_stride,
                         help="tokens per KV-cache page (default: %(default)s)")
     parser.add_argument("--device-block-count", type=_positive_int, default=defaults.device_block_count,

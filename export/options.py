@@ -20,8 +20,8 @@ class ExportOptions:
     denoise_batch_sizes: tuple[int, ...] = (1, 4)
     # Also export denoise_top_bs<N>: the pass reduced to [N, T, 4] per-position summaries,
     # which the runtime calls when every row of a batch is greedy (no [N, T, V] copy out).
-    # Off by default: on the CPU the logits are in host memory already, and the reduction
-    # costs passes over [N, T, V] of its own (benchmarks/README.md, "Diffusion LMs").
+    # Off by default: IREE 3.13's llvm-cpu code for it measured 20-40x slower than denoise
+    # with the copy of its logits (benchmarks/README.md, "Diffusion LMs"); for GPUs, unmeasured.
     denoise_top_functions: bool = False
     block_seq_stride: int = 16
     device_block_count: int = 256
