@@ -140,4 +140,6 @@ def test_health_answers_at_once_while_huge_prompts_and_stop_lists_are_handled(st
         thread.join()
     assert sorted(statuses) == [400] * len(threads)
     assert len(latencies) >= 5
-    assert max(latencies) < 0.1, sorted(latencies)[-5:]
+    # A tokenizer holding the GIL stopped the loop for ~0.5 s; a loaded 2-core machine adds
+    # ~0.15 s of noise on its own, so the bound sits between the two.
+    assert max(latencies) < 0.3, sorted(latencies)[-5:]
