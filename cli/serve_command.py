@@ -11,7 +11,7 @@ import argparse
 import os
 from pathlib import Path
 
-from kiln.runtime.service_config import PREFIX_SHARING, ServiceConfig
+from kiln.runtime.service_config import PREFIX_SHARING, ServiceConfig, SpeculativeConfig
 from kiln.server.settings import ServerSettings
 from kiln.server.tool_calls import PARSERS
 
@@ -58,6 +58,9 @@ def add_command(commands) -> None:
                         help="allow browsers from this origin (repeatable; '*' for any)")
     server.add_argument("--rate-limit", type=_positive_float, default=0.0, metavar="R",
                         help="requests per second per API key (or client address), bursts of R; 0: off")
+    server.add_argument("--grpc-port", type=_positive_int, metavar="N",
+                        help="also serve gRPC on this port: KServe v2 (tritonclient) and vLLM's VllmEngine "
+                        "(the smg gateway), same host and API keys (needs the grpc extra)")
     server.add_argument("--max-body-bytes", type=_positive_int, default=settings.max_body_bytes, metavar="N",
                         help="the largest request body (default: %(default)s)")
     server.add_argument("--max-prompt-chars", type=_positive_int, default=settings.max_prompt_chars, metavar="N",
@@ -85,6 +88,21 @@ def add_command(commands) -> None:
     engine.add_argument("--apd-verifier", type=Path, metavar="PATH",
                         help="with a diffusion model: an autoregressive model with the same tokenizer that "
                         "verifies APD drafts (an artifacts directory, or an HF directory / .gguf built first)")
+    speculative = SpeculativeConfig("ngram")
+    engine.add_argument("--speculative-model", metavar="ngram|PATH",
+                        help="speculative decoding: 'ngram' drafts by prompt lookup; a path is a small draft "
+                        "model with the same tokenizer (an artifacts directory, or an HF directory / .gguf built "
+                        "first). Off by default")
+    engine.add_argument("--num-speculative-tokens", type=_positive_int, default=speculative.num_tokens, metavar="K",
+                        help="draft tokens verified per decode step (default: %(default)s)")
+    engine.add_argument("--prompt-lookup-max", type=_positive_int, default=speculative.prompt_lookup_max,
+                        metavar="N", help="with ngram: the longest n-gram looked up (default: %(default)s)")
+    engine.add_argument("--prompt-lookup-min", type=_positive_int, default=speculative.prompt_lookup_min,
+                        metavar="N", help="with ngram: the shortest n-gram looked up (default: %(default)s)")
+    engine.add_argument("--speculative-disable-by-batch-size", type=_non_negative_int,
+                        default=speculative.disable_by_batch_size, metavar="N",
+                        help="draft only while a decode batch has at most N rows; a verify call is a prefill, "
+                        "compute-bound on a CPU (default: %(default)s; 0: up to the largest prefill batch)")
     engine.add_argument("--kv-cache-pages", type=_non_negative_int, default=defaults.page_count, metavar="N",
                         help="KV-cache pages (default: the export's device_block_count)")
     parser.set_defaults(run=run_serve)
@@ -104,17 +122,34 @@ def resolve_in_child(args):
 
 
 def verifier_artifacts(args):
-    """The APD verifier's artifacts: a directory of them as it is, or a model built (in a child
-    process) before the server starts."""
+    """The APD verifier's artifacts (see second_model_artifacts)."""
+    return None if args.apd_verifier is None else second_model_artifacts(args, Path(args.apd_verifier), "APD verifier")
+
+
+def speculative_config(args):
+    """Speculative decoding's settings from the flags; None when --speculative-model is not given."""
+    if args.speculative_model is None:
+        return None
+    draft = None
+    if args.speculative_model != "ngram":
+        draft = second_model_artifacts(args, Path(args.speculative_model), "speculative model")
+    try:
+        return SpeculativeConfig("draft_model" if draft else "ngram", args.num_speculative_tokens, draft,
+                                 args.prompt_lookup_max, args.prompt_lookup_min,
+                                 args.speculative_disable_by_batch_size)
+    except ValueError as error:
+        raise SystemExit(f"kiln serve: {error}") from None
+
+
+def second_model_artifacts(args, path: Path, label: str):
+    """A second model's artifacts (an APD verifier, a draft model): a directory of them as it
+    is, or a model built (in a child process) before the server starts."""
     from kiln.runtime.contract import CONFIG_FILE
 
-    if args.apd_verifier is None:
-        return None
-    path = Path(args.apd_verifier)
     if not path.exists():
         from kiln.runtime.errors import ModelLoadError
 
-        raise ModelLoadError(f"APD verifier path {path} does not exist")
+        raise ModelLoadError(f"{label} path {path} does not exist")
     choice = argparse.Namespace(**{**vars(args), "vmfb": None, "params": None, "config": None, "tokenizer": None})
     if (path / CONFIG_FILE).is_file():
         choice.artifacts, choice.model = path, None
@@ -165,6 +200,7 @@ def run_serve(args) -> int:
     settings = ServerSettings(
         host=args.host,
         port=args.port,
+        grpc_port=args.grpc_port,
         served_model_names=tuple(default_model_names(args, artifacts)),
         chat_template=read_chat_template(args.chat_template),
         tool_call_parser=args.tool_call_parser,
@@ -188,5 +224,6 @@ def run_serve(args) -> int:
         max_queue=args.max_queue,
         prefill_token_budget=args.max_prefill_tokens,
         apd_verifier=verifier_artifacts(args),
+        speculative=speculative_config(args),
     )
     return serve(service_config, settings, log_level=args.log_level, prepare=prepare)

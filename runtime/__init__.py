@@ -14,6 +14,7 @@ _EXPORTS = {
     "Completion": "request", "Event": "request", "TokenLogprob": "request",
     "SamplingParams": "sampling",
     "GenerateService": "service", "ServiceState": "service", "ServiceConfig": "service_config",
+    "SpeculativeConfig": "service_config",
     "KilnError": "errors", "InvalidRequestError": "errors", "NotReadyError": "errors",
     "QueueFullError": "errors", "ModelLoadError": "errors",
 }

@@ -17,6 +17,9 @@ class Phase(str, enum.Enum):
     DECODE = "decode"  # feed each row's last token and sample the next
     DENOISE = "denoise"  # a diffusion LM's pass over each row's window (logits at every position)
     VERIFY = "verify"  # APD: the verifier's prefill over each row's draft (logits at every position)
+    # Speculative decoding: each row feeds its last token and its draft tokens through prefill,
+    # and the logits at every position say how much of the draft the model agrees with.
+    SPECULATE = "speculate"
 
 
 @dataclass(frozen=True)

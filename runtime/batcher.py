@@ -17,12 +17,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .batch import Batch, Phase
+from .beam_search import BeamGroup
 from .executor import Executor
 from .invocation import InvocationError
 from .output_processor import OutputProcessor
 from .request import Request, Sequence, SequenceState
 from .sampling import SampleResult, Sampler
 from .scheduler import Scheduler
+from .speculative import Speculator
 
 log = logging.getLogger("kiln.batcher")
 
@@ -34,6 +36,7 @@ class BatcherCounters:
     decode_steps: int = 0
     denoise_steps: int = 0
     verify_steps: int = 0  # APD's verifier calls
+    speculate_steps: int = 0  # speculative decoding's verify calls (decode steps with drafts)
     # A diffusion LM's passes by what they computed ("full", "prefix", "dual", "apd"), and how many
     # passes committed each number of positions (the tokens-per-forward histogram).
     forward_passes: dict = field(default_factory=dict)
@@ -45,11 +48,13 @@ class BatcherCounters:
 
 class Batcher:
     def __init__(self, scheduler: Scheduler, executor: Executor, outputs: OutputProcessor, sampler: Sampler,
-                 verifier: Executor | None = None):
-        """`verifier`, with APD: the autoregressive model that runs the scheduler's VERIFY batches."""
+                 verifier: Executor | None = None, speculator: Speculator | None = None):
+        """`verifier`, with APD: the autoregressive model that runs the scheduler's VERIFY batches.
+        `speculator`, with speculative decoding: drafts for decode batches, and what rows keep."""
         self.scheduler = scheduler
         self.executor = executor
         self.verifier = verifier
+        self.speculator = speculator
         self.outputs = outputs
         self.sampler = sampler
         self.counters = BatcherCounters()
@@ -63,8 +68,10 @@ class Batcher:
     def submit(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
+        if request.params.beam_search:
+            request.beams = BeamGroup(request.params.num_beams, request.params.length_penalty)
         leader = None
-        for index in range(request.params.n):
+        for index in range(request.params.sequence_count):
             seq = Sequence(request, index, leader=leader)
             request.sequences.append(seq)
             leader = leader or seq
@@ -120,6 +127,8 @@ class Batcher:
                 if not self._pending_aborts:
                     await self._wake.wait()
                 continue
+            if self.speculator is not None and batch.phase is Phase.DECODE:
+                batch = await self.speculator.extend(batch)
             try:
                 executor = self.verifier if batch.phase is Phase.VERIFY else self.executor
                 logits = await executor.run(batch)
@@ -147,6 +156,10 @@ class Batcher:
                 self.counters.verify_steps += 1
             self._apply_denoise(batch, logits)
             return
+        if batch.phase is Phase.SPECULATE:
+            self.counters.speculate_steps += 1
+            self._apply_speculation(batch, logits)
+            return
         if batch.phase is Phase.PREFILL:
             self.counters.prefill_steps += 1
         else:
@@ -159,6 +172,8 @@ class Batcher:
                 row_logits = row_logits[-1]
             last_logits.append(row_logits)
         sampling = [i for i, (seq, samples) in enumerate(zip(seqs, batch.samples)) if seq is not None and samples]
+        beam_rows = [i for i in sampling if seqs[i].request.beams is not None]  # scored by the group, not sampled
+        sampling = [i for i in sampling if seqs[i].request.beams is None]
         samples = dict(zip(sampling, self.sampler.sample_rows([last_logits[i] for i in sampling],
                                                               [seqs[i] for i in sampling])))
         tokens = [samples[i].token_id if i in samples else None for i in range(batch.rows)]
@@ -169,6 +184,41 @@ class Batcher:
             if self.outputs.token(seq, sample, finishes[i]):
                 self.scheduler.finish(seq, "stop")
             self._forget_if_done(seq.request)
+        for i in beam_rows:
+            self._beam_report(seqs[i], last_logits[i])
+
+    def _beam_report(self, seq: Sequence, logits: np.ndarray) -> None:
+        """A beam's next-token logits; once every live beam of its search has reported, the
+        search steps: beams continue or fork, and a finished search sends its best beams."""
+        request = seq.request
+        group = request.beams
+        if not group.report(seq.index, logits):
+            return
+        params = request.params
+        ends = frozenset(self.scheduler.eos_token_ids if not params.ignore_eos else ()) | set(params.stop_token_ids)
+        generated = [s.output_ids for s in request.sequences[: group.live]]
+        choices = group.step(generated, ends, params.max_tokens)
+        self.counters.generated_tokens += len(generated)
+        self.scheduler.apply_beams(request, choices)
+        if group.done:
+            self.outputs.beams_finished(request, group.ranked(params.n))
+            for beam in request.sequences:
+                self.scheduler.finish(beam, "stop")
+            self._forget_if_done(request)
+
+    def _apply_speculation(self, batch: Batch, logits: list[np.ndarray | None]) -> None:
+        """A verify call: each row's kept tokens go out one by one, as if decoded one per step."""
+        seqs = self.scheduler.sequences_of(batch)
+        kept = self.speculator.verify(batch, seqs, logits, self.sampler)
+        finishes = self.scheduler.postprocess_speculative(batch, [[r.token_id for r in row] for row in kept])
+        for seq, samples, row_finishes in zip(seqs, kept, finishes):
+            for sample, finish in zip(samples, row_finishes):
+                self.counters.generated_tokens += 1
+                if self.outputs.token(seq, sample, finish):
+                    self.scheduler.finish(seq, "stop")
+                    break
+            if seq is not None:
+                self._forget_if_done(seq.request)
 
     def _apply_denoise(self, batch: Batch, logits: list[np.ndarray | None]) -> None:
         """A diffusion LM's pass: the scheduler commits each canvas; the newly committed

@@ -87,6 +87,20 @@ class OutputProcessor:
         return stopped
 
     def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        """The last event of a sequence ended from outside a step: aborted, or failed."""
-        if self._texts.pop(seq.seq_id, None) is not None:
+        """The last event of a sequence ended from outside a step: aborted, or failed. (A beam
+        search's sequences past its n are slots, never seen by the caller.)"""
+        if self._texts.pop(seq.seq_id, None) is not None and seq.index < seq.params.n:
             seq.emit(Event(seq.index, finish_reason=reason, error=error))
+
+    def beams_finished(self, request: Request, hypotheses) -> None:
+        """A beam search's result, the best first: each hypothesis whole, in one event each."""
+        for seq in request.sequences:
+            self._texts.pop(seq.seq_id, None)
+        skip = request.params.skip_special_tokens
+        for index, hypothesis in enumerate(hypotheses):
+            request.sequences[index].emit(Event(
+                index, text=self.tokenizer.decode(hypothesis.tokens, skip_special_tokens=skip),
+                token_ids=list(hypothesis.tokens), finish_reason=hypothesis.finish_reason,
+                stop_reason=hypothesis.stop_token, cumulative_logprob=hypothesis.logprob))
+        for index in range(len(hypotheses), request.params.n):  # fewer hypotheses than asked: none is lost
+            request.sequences[index].emit(Event(index, finish_reason="stop"))

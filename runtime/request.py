@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -57,6 +59,7 @@ class Event:
     error: str | None = None
     # With params.prompt_logprobs, on sequence 0's first event: one per prompt token (None for the first).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    cumulative_logprob: float | None = None  # beam search: the beam's summed log-probability
 
 
 @dataclass
@@ -69,11 +72,14 @@ class Completion:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    cumulative_logprob: float | None = None
 
     def add(self, event: Event) -> None:
         self.text += event.text
         self.token_ids.extend(event.token_ids)
         self.logprobs.extend(event.logprobs)
+        if event.cumulative_logprob is not None:
+            self.cumulative_logprob = event.cumulative_logprob
         if event.finish_reason:
             self.finish_reason, self.stop_reason, self.error = event.finish_reason, event.stop_reason, event.error
 
@@ -90,6 +96,11 @@ class Request:
     forward_passes: int = 0  # a diffusion LM's passes over this request's sequences (its NFE)
     canvas_tokens: int = 0  # a diffusion LM's canvas per sequence: max_tokens rounded up to whole blocks
     matchers: list = field(default_factory=list, repr=False)  # structured output: one per sequence
+    beams: Any = None  # beam search: its runtime.beam_search.BeamGroup; sequence i is beam slot i
+    # time.monotonic() when submitted, and when its first sequence was admitted to run: the
+    # difference is its queue time (a metric the server reports).
+    arrived_at: float = field(default_factory=time.monotonic)
+    scheduled_at: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -99,6 +110,12 @@ class Request:
     def unfinished(self) -> int:
         """Sequences still waiting or running."""
         return sum(1 for s in self.sequences if s.state is not SequenceState.FINISHED)
+
+    def mark_scheduled(self) -> None:
+        """A sequence of it was admitted to run: the first time ends its wait in the queue
+        (a preempted sequence readmitted later does not move it)."""
+        if self.scheduled_at is None:
+            self.scheduled_at = time.monotonic()
 
 
 class Sequence:
@@ -161,7 +178,10 @@ class Sequence:
         return (self.request.priority, self.seq_id)
 
     def can_start(self) -> bool:
-        """A sibling starts once its leader's prompt is in the cache (or the leader is gone)."""
+        """A sibling starts once its leader's prompt is in the cache (or the leader is gone); a
+        beam, once the search has expanded to its slot."""
+        if self.request.beams is not None:
+            return self.index < self.request.beams.live
         return self.leader is None or self.leader.state in (SequenceState.DECODE, SequenceState.FINISHED)
 
     def emit(self, event: Event) -> None:

@@ -53,6 +53,13 @@ class SamplingParams:
     # Structured output (runtime.grammar.Constraint): what the text must match, enforced on
     # the logits at every step.
     constraint: Any = None
+    # Beam search when > 1: this many beams, scored by the model's log-probabilities (the
+    # sampling fields do not apply); the best n come back, ranked, with their summed log-probs.
+    num_beams: int = 1
+    length_penalty: float = 1.0  # a beam's score: summed log-prob / length ** length_penalty
+    # Whether the server's speculative decoding may draft for this request (a per-request
+    # opt-out; outputs are the same either way, up to the random draws of sampling).
+    speculative: bool = True
     # A diffusion LM's options (runtime.diffusion.params.DiffusionParams): the service fills
     # in the defaults for a diffusion model and refuses them for an autoregressive one.
     diffusion: Any = None
@@ -79,6 +86,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def beam_search(self) -> bool:
+        return self.num_beams > 1
+
+    @property
+    def sequence_count(self) -> int:
+        """Sequences the request runs: its n completions, or its beams."""
+        return max(self.n, self.num_beams)
 
     @property
     def has_penalties(self) -> bool:
@@ -138,10 +154,33 @@ class SamplingParams:
             for token, bias in self.logit_bias.items():
                 _integer("logit_bias", token, low=0, high=None if vocab_size is None else vocab_size - 1)
                 _number("logit_bias", bias, low=-100.0, high=100.0)
+        _integer("num_beams", self.num_beams, low=1)
+        _number("length_penalty", self.length_penalty, low=-10.0, high=10.0)
+        if self.beam_search:
+            self._validate_beam_search()
+        if not isinstance(self.speculative, bool):
+            raise InvalidRequestError(f"speculative must be a bool, got {self.speculative!r}", param="speculative")
         if not isinstance(self.skip_special_tokens, bool):
             raise InvalidRequestError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}",
                                       param="skip_special_tokens")
         return self
+
+
+    def _validate_beam_search(self) -> None:
+        """What beam search cannot honour is refused by name rather than ignored."""
+        if self.n > self.num_beams:
+            raise InvalidRequestError(f"n ({self.n}) must not exceed the beam width ({self.num_beams})", param="n")
+        refused = {
+            "stop": bool(self.stop), "logprobs": self.logprobs is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None, "min_tokens": self.min_tokens > 0,
+            "logit_bias": bool(self.logit_bias), "constraint": self.constraint is not None,
+            "repetition_penalty": self.repetition_penalty != 1.0, "presence_penalty": self.presence_penalty != 0.0,
+            "frequency_penalty": self.frequency_penalty != 0.0,
+        }
+        for name, given in refused.items():
+            if given:
+                param = self.constraint.param if name == "constraint" else name
+                raise InvalidRequestError(f"{param} is not available with beam search", param=param)
 
 
 def _integer(name: str, value: Any, low: int | None = None, high: int | None = None) -> None:
@@ -267,17 +306,24 @@ class Sampler:
         prompt_ids: Sequence[int] = (),
     ) -> SampleResult:
         """One token from a float32 row [V] of raw logits."""
+        x = self.adjust(logits, params, output_ids, prompt_ids)
+        token = int(np.argmax(x)) if params.greedy else _draw(x, params, rng)
+        if params.logprobs is None:
+            return SampleResult(token)
+        logprob, top = compute_logprobs(logits, token, params.logprobs)
+        return SampleResult(token, logprob, top)
+
+    def adjust(self, logits: np.ndarray, params: SamplingParams, output_ids: Sequence[int] = (),
+               prompt_ids: Sequence[int] = ()) -> np.ndarray:
+        """The logits a choice is made from: penalties, logit bias, and the tokens min_tokens
+        holds back set to -inf; `logits` itself when none apply."""
         x = apply_penalties(logits, params, output_ids, prompt_ids)
         banned = self._banned(params, len(output_ids))
         if banned:
             if x is logits:
                 x = np.array(logits, dtype=np.float32)
             x[banned] = -np.inf
-        token = int(np.argmax(x)) if params.greedy else _draw(x, params, rng)
-        if params.logprobs is None:
-            return SampleResult(token)
-        logprob, top = compute_logprobs(logits, token, params.logprobs)
-        return SampleResult(token, logprob, top)
+        return x
 
     def sample_rows(self, logits: Sequence[np.ndarray], rows: Sequence[SamplingRow]) -> list[SampleResult]:
         """One token for each row: logits[i], a float32 row [V], sampled for rows[i]."""
@@ -308,7 +354,40 @@ class Sampler:
 
 def _draw(x: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     """Temperature, top-k, top-p, min-p, then one draw by inverse CDF (one random number)."""
-    ids: np.ndarray | None = None  # candidate token ids; None while all of the vocabulary is in
+    ids, p = _candidates(x, params)
+    if p is None:  # everything banned: nothing sensible to draw
+        return int(ids[0]) if ids is not None else 0
+    j = _inverse_cdf(p, rng.random())
+    return int(ids[j]) if ids is not None else j
+
+
+def probabilities(x: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The distribution `_draw` samples from, as a float64 vector over the whole vocabulary:
+    what speculative decoding's acceptance rule compares (one-hot when greedy)."""
+    out = np.zeros(x.size, np.float64)
+    if params.greedy:
+        out[int(np.argmax(x))] = 1.0
+        return out
+    ids, p = _candidates(x, params)
+    if p is None:
+        out[int(ids[0]) if ids is not None else 0] = 1.0
+        return out
+    p = p.astype(np.float64) / float(p.sum(dtype=np.float64))
+    if ids is None:
+        return p
+    out[ids] = p
+    return out
+
+
+def draw_from(p: np.ndarray, rng: np.random.Generator) -> int:
+    """An index drawn with probability p[i] / sum(p) (p non-negative, not all zero)."""
+    return _inverse_cdf(p, rng.random())
+
+
+def _candidates(x: np.ndarray, params: SamplingParams) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(Candidate token ids, or None for the whole vocabulary in order; their unnormalised
+    weights after temperature, top-k, top-p and min-p), weights None when all are banned."""
+    ids: np.ndarray | None = None
     k = params.top_k
     if 0 < k < x.size:
         ids = np.argpartition(x, -k)[-k:]
@@ -316,8 +395,8 @@ def _draw(x: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> in
     # float32 throughout: numpy's float64 exp is an order of magnitude slower.
     p = np.divide(x, params.temperature, dtype=np.float32)
     top = p.max()
-    if top == -np.inf:  # everything banned: nothing sensible to draw
-        return int(ids[0]) if ids is not None else 0
+    if top == -np.inf:
+        return ids, None
     p -= top
     np.exp(p, out=p)  # unnormalised weights; the best candidate has weight 1
     if params.top_p < 1.0:
@@ -329,8 +408,7 @@ def _draw(x: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> in
         kept = np.flatnonzero(p >= params.min_p)
         p = p[kept]
         ids = kept if ids is None else ids[kept]
-    j = _inverse_cdf(p, rng.random())
-    return int(ids[j]) if ids is not None else j
+    return ids, p
 
 
 def _nucleus(p: np.ndarray, top_p: float) -> np.ndarray:

@@ -124,6 +124,25 @@ class Scheduler(BaseScheduler):
 
     # -- the decision -----------------------------------------------------------------
     def schedule(self) -> Batch | None:
+        batch = self._schedule_once()
+        while batch is None and self.waiting and self._preempt_a_stalled_beam_search():
+            batch = self._schedule_once()
+        return batch
+
+    def _preempt_a_stalled_beam_search(self) -> bool:
+        """Nothing can run: searches whose beams step together each hold some beams' pages and
+        wait for pages for the rest. The youngest such search gives its pages back; True if one did."""
+        stalled = [s for s in self.running if s.request.beams is not None
+                   and any(not b.state.holds_pages for b in s.request.sequences[: s.request.beams.live])]
+        if not stalled:
+            return False
+        youngest = max(stalled, key=lambda s: (s.request.priority, s.seq_id)).request
+        for beam in youngest.sequences:
+            if beam.state.holds_pages:
+                self.preempt(beam)
+        return True
+
+    def _schedule_once(self) -> Batch | None:
         self._admit()
         prefilling = [s for s in self.running if s.state is SequenceState.PREFILL]
         decoding = [s for s in self.running if s.state is SequenceState.DECODE]
@@ -164,6 +183,7 @@ class Scheduler(BaseScheduler):
             if seq.index == 0 and not seq.preemptions:
                 seq.request.cached_tokens = allocation.cached_tokens
             self._start_running(seq, SequenceState.PREFILL)
+            seq.request.mark_scheduled()
         for item in deferred:
             heapq.heappush(self.waiting, item)
 
@@ -195,12 +215,15 @@ class Scheduler(BaseScheduler):
         # Least recently served first: more sequences than the largest batch take turns.
         candidates = sorted(candidates, key=lambda s: s.last_served)
         chosen: list[Sequence] = []
+        largest = self.config.decode_batch_sizes[-1]
         for seq in candidates:
-            if len(chosen) == self.config.decode_batch_sizes[-1]:
+            if len(chosen) == largest:
                 break
-            if seq.state is not SequenceState.DECODE:
-                continue  # preempted to make room for an earlier one
-            if self._ensure_pages(seq, exclude=chosen):
+            if seq.state is not SequenceState.DECODE or seq in chosen:
+                continue  # preempted to make room for an earlier one, or a beam taken with its group
+            if seq.request.beams is not None:
+                chosen += self._beams_to_decode(seq.request, chosen, largest)
+            elif self._ensure_pages(seq, exclude=chosen):
                 chosen.append(seq)
         if not chosen:
             return None
@@ -211,6 +234,55 @@ class Scheduler(BaseScheduler):
         starts = [len(s.tokens) - 1 for s in chosen]
         chunks = [(s.tokens[-1],) for s in chosen]
         return self._batch(Phase.DECODE, size, chosen, starts, chunks, [True] * len(chosen), (False,) * len(chosen))
+
+    def speculative_batch(self, batch: Batch, drafts: list[list[int]]) -> Batch:
+        """A decode batch with each row's draft after its last token: one prefill call whose
+        logits at every position check the drafts. Drafts are cut to what the sequence may
+        still generate and to the pages the pool can spare without preempting anyone; where
+        no row keeps a draft, the decode batch itself."""
+        seqs = self.sequences_of(batch)
+        kept = []
+        for seq, draft in zip(seqs, drafts):
+            room = min(seq.params.max_tokens - seq.generated, self.config.max_seq_len - len(seq.tokens)) - 1
+            draft = list(draft[: max(room, 0)])
+            if draft and not self.cache.extend_allocation(seq.allocation, len(seq.tokens) + len(draft)):
+                draft = []
+            kept.append(draft)
+        if not any(kept):
+            return batch
+        chunks = [(seq.tokens[-1], *draft) for seq, draft in zip(seqs, kept)]
+        size = smallest_fitting(self.config.prefill_batch_sizes, len(seqs))
+        return self._batch(Phase.SPECULATE, size, seqs, batch.starts, chunks, batch.samples, (True,) * len(seqs))
+
+    def _beams_to_decode(self, request, chosen: list[Sequence], largest: int) -> list[Sequence]:
+        """A beam search's live beams, all of them or none: they step together, so they decode
+        only once every one is decoding (a forked beam first prefills its parent's last page)."""
+        beams = request.sequences[: request.beams.live]
+        if any(b.state is not SequenceState.DECODE for b in beams) or len(chosen) + len(beams) > largest:
+            return []
+        if all(self._ensure_pages(b, exclude=chosen + beams) for b in beams):
+            return beams
+        return []
+
+    def apply_beams(self, request, choices) -> None:
+        """A beam search step: each slot continues the beam its choice names with its token.
+        A slot continuing another beam drops its pages and takes that beam's tokens; the
+        parent's full pages, published here, come back to it through the prefix cache."""
+        beams = request.sequences
+        old = [list(b.tokens) for b in beams]
+        for beam in beams:
+            if beam.allocation is not None:
+                self.cache.publish_allocated_pages(beam.allocation, beam.tokens[: beam.computed])
+        for slot, choice in enumerate(choices):
+            beam = beams[slot]
+            if choice.parent == slot:
+                beam.tokens.append(choice.token)
+                continue
+            if beam.state.holds_pages:
+                self._stop_running(beam)
+                self.add(beam)
+            beam.tokens = old[choice.parent] + [choice.token]
+            beam.computed = 0
 
     @staticmethod
     def _batch(phase, size, seqs, starts, chunks, samples, full_logits) -> Batch:
@@ -238,6 +310,25 @@ class Scheduler(BaseScheduler):
                 if finish is not None:
                     self.finish(seq, finish.reason)
             finishes.append(finish)
+        return finishes
+
+    def postprocess_speculative(self, batch: Batch, kept: list[list[int]]) -> list[list[Finish | None]]:
+        """Apply a verify call: each row's kept tokens appended in order, up to the first that
+        finishes it. One Finish (or None) per token appended."""
+        finishes: list[list[Finish | None]] = []
+        for seq, tokens in zip(self.sequences_of(batch), kept):
+            row: list[Finish | None] = []
+            for token in tokens if seq is not None else ():
+                seq.tokens.append(token)
+                # The call wrote K/V for the row's last token and every draft token kept after
+                # it: all but the newest token.
+                seq.computed = len(seq.tokens) - 1
+                finish = self._finish_after(seq, token)
+                row.append(finish)
+                if finish is not None:
+                    self.finish(seq, finish.reason)
+                    break
+            finishes.append(row)
         return finishes
 
     def _finish_after(self, seq: Sequence, token: int) -> Finish | None:

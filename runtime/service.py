@@ -35,6 +35,9 @@ from .request import Event, Request
 from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .service_config import ServiceConfig
+from .speculative import Speculator
+from .speculative.draft_model import DraftModel
+from .speculative.prompt_lookup import PromptLookup
 
 log = logging.getLogger("kiln.service")
 
@@ -63,6 +66,8 @@ class ServiceStats:
     # A diffusion LM's passes by kind, and how many passes committed each number of positions.
     forward_passes: dict = field(default_factory=dict)
     committed_per_pass: dict = field(default_factory=dict)
+    # Speculative decoding (None when off): its SpeculationCounters.
+    speculation: object = None
 
 
 class GenerateService:
@@ -90,6 +95,9 @@ class GenerateService:
         self.verifier_executor: Executor | None = None
         # Structured output's grammars for this tokenizer; None without llguidance installed.
         self.grammars: GrammarCompiler | None = None
+        # Speculative decoding's draft model (config.speculative with a draft), and its executor.
+        self.draft_program: Program | None = None
+        self.draft_executor: Executor | None = None
 
     # -- lifecycle --------------------------------------------------------------------
     async def start(self) -> "GenerateService":
@@ -154,8 +162,9 @@ class GenerateService:
         )
         executor = Executor(program, pool.buffer, page_count, self.vocab_size)
         self.program, self.cache, self.pool = program, cache, pool
+        speculator = self._speculator(abi, scheduler) if config.speculative is not None else None
         self.batcher = Batcher(scheduler, executor, OutputProcessor(self.tokenizer), Sampler(self.eos_token_ids),
-                               verifier=self.verifier_executor)
+                               verifier=self.verifier_executor, speculator=speculator)
         log.info(
             "loaded %s: %d KV pages of %d tokens (%.0f MiB) in %.1fs",
             artifacts.vmfb, page_count, abi.block_seq_stride,
@@ -175,18 +184,56 @@ class GenerateService:
         if own.max_seq_len < abi.max_seq_len:
             raise ModelLoadError(f"the APD verifier's context ({own.max_seq_len}) is shorter than the model's "
                                  f"({abi.max_seq_len})")
-        try:
-            verifier_vocab = Tokenizer.from_file(str(self.config.apd_verifier.tokenizer_path)).get_vocab()
-        except Exception as error:
-            raise ModelLoadError(f"cannot read the APD verifier's tokenizer: {error}") from None
-        vocab = self.tokenizer.get_vocab()
-        if any(vocab.get(token) != token_id for token, token_id in verifier_vocab.items()):
-            raise ModelLoadError("the APD verifier's tokenizer differs from the model's: their token ids must agree")
+        verifier_vocab = self._same_tokenizer(self.config.apd_verifier, "APD verifier")
         pages = -(-tokens // own.block_seq_stride) + 1
         pool = PagePool(pages, verifier.allocate_cache)
         self.verifier_cache = PlainPagedAttentionCache(pool, own.block_seq_stride)
-        self.verifier_executor = Executor(verifier, pool.buffer, pages, verifier.kiln.vocab_size or len(verifier_vocab))
+        self.verifier_executor = Executor(verifier, pool.buffer, pages, verifier.kiln.vocab_size or verifier_vocab)
         self.verifier = verifier
+
+    def _same_tokenizer(self, artifacts: Artifacts, label: str) -> int:
+        """ModelLoadError unless a second model's tokenizer gives every token the model's id;
+        its vocabulary size otherwise."""
+        try:
+            other = Tokenizer.from_file(str(artifacts.tokenizer_path)).get_vocab()
+        except Exception as error:
+            raise ModelLoadError(f"cannot read the {label}'s tokenizer: {error}") from None
+        vocab = self.tokenizer.get_vocab()
+        if any(vocab.get(token) != token_id for token, token_id in other.items()):
+            raise ModelLoadError(f"the {label}'s tokenizer differs from the model's: their token ids must agree")
+        return len(other)
+
+    def _speculator(self, abi, scheduler: Scheduler) -> Speculator:
+        """Speculative decoding's drafter, checked against the target export: verifying drafts
+        needs a prefill that takes start positions and returns every position's logits."""
+        spec = self.config.speculative
+        if abi.is_diffusion:
+            raise ModelLoadError("speculative decoding is for autoregressive models; this one is a diffusion LM")
+        if not abi.has_prefill_position or not abi.every_position_logits:
+            raise ModelLoadError("speculative decoding needs a prefill that takes start positions and returns "
+                                 "every position's logits (the default export)")
+        if spec.method == "ngram":
+            return Speculator(scheduler, spec.num_tokens, self.vocab_size, max_rows=spec.disable_by_batch_size,
+                              lookup=PromptLookup(spec.prompt_lookup_max, spec.prompt_lookup_min))
+        draft = self._program_factory(spec.draft, self.config.device)
+        tokenizer_vocab = self._same_tokenizer(spec.draft, "draft model")
+        own = draft.capabilities
+        if own.is_diffusion or not own.has_prefill_position:
+            raise ModelLoadError("the draft model must be an autoregressive export whose prefill takes start "
+                                 "positions (the default export)")
+        if own.max_seq_len < abi.max_seq_len:
+            raise ModelLoadError(f"the draft model's context ({own.max_seq_len}) is shorter than the model's "
+                                 f"({abi.max_seq_len})")
+        draft_vocab = draft.kiln.vocab_size or tokenizer_vocab
+        # Room for every running sequence at full context; fewer pages only evict drafts' K/V.
+        pages = min(self.pool.total, -(-abi.max_seq_len // own.block_seq_stride) * self.config.max_running) + 1
+        pool = PagePool(pages, draft.allocate_cache)
+        self.draft_program = draft
+        self.draft_executor = Executor(draft, pool.buffer, pages, draft_vocab)
+        return Speculator(scheduler, spec.num_tokens, self.vocab_size, max_rows=spec.disable_by_batch_size,
+                          draft_model=DraftModel(
+            self.draft_executor, PlainPagedAttentionCache(pool, own.block_seq_stride), own.prefill_batch_sizes,
+            own.decode_batch_sizes, draft_vocab))
 
     def _diffusion_scheduler(self, abi, cache) -> DiffusionScheduler:
         config = DiffusionSchedulerConfig(
@@ -222,8 +269,9 @@ class GenerateService:
             await asyncio.sleep(0.02)
         await self.batcher.stop()
         self.batcher.executor.close()
-        if self.verifier_executor is not None:
-            self.verifier_executor.close()
+        for extra in (self.verifier_executor, self.draft_executor):
+            if extra is not None:
+                extra.close()
         self.state = ServiceState.STOPPED
 
     # -- what callers may ask -----------------------------------------------------------
@@ -304,7 +352,10 @@ class GenerateService:
         if params.prompt_logprobs is not None and not self.program.capabilities.every_position_logits:
             raise InvalidRequestError("prompt logprobs need every position's logits: this export's prefill "
                                       "returns the last", param="prompt_logprobs")
-        pages = self.cache.pages_for(total) * (2 if params.diffusion is not None and params.diffusion.cfg_scale else 1)
+        if params.beam_search:
+            self._check_beam_search(params)
+        copies = 2 if params.diffusion is not None and params.diffusion.cfg_scale else params.num_beams
+        pages = self.cache.pages_for(total) * copies
         if params.diffusion is not None and params.diffusion.apd and \
                 self.verifier_cache.pages_for(total) > self.verifier_cache.page_pool.total:
             raise InvalidRequestError("the request needs more pages than the APD verifier's cache has",
@@ -314,6 +365,15 @@ class GenerateService:
                 f"the request needs {pages} KV-cache pages and the cache has {self.pool.total}: "
                 "lower max_tokens or start the server with a larger cache", param="max_tokens",
             )
+
+    def _check_beam_search(self, params: SamplingParams) -> None:
+        """Beams step together, in one decode call: the export and the engine must hold them all."""
+        if self.is_diffusion:
+            raise InvalidRequestError("beam search is for autoregressive models", param="num_beams")
+        widest = min(self.program.capabilities.decode_batch_sizes[-1], self.config.max_running)
+        if params.num_beams > widest:
+            raise InvalidRequestError(f"num_beams must be at most {widest} (the largest decode batch this server "
+                                      "runs)", param="num_beams")
 
     def _check_constraint(self, params: SamplingParams) -> None:
         param = params.constraint.param
@@ -389,7 +449,9 @@ class GenerateService:
             preemptions=scheduler.preemptions,
             steps={"prefill": counters.prefill_steps, "decode": counters.decode_steps,
                    "denoise": counters.denoise_steps, "verify": counters.verify_steps,
+                   "speculate": counters.speculate_steps,
                    "failed": counters.failed_batches},
             forward_passes=dict(counters.forward_passes),
             committed_per_pass=dict(counters.committed_per_pass),
+            speculation=self.batcher.speculator.counters if self.batcher.speculator is not None else None,
         )

@@ -13,6 +13,38 @@ from .contract import Artifacts
 PREFIX_SHARING = ("trie", "none")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: who drafts, and how many tokens a verify call checks per row."""
+
+    method: str  # "ngram" (prompt lookup) or "draft_model"
+    num_tokens: int = 4
+    draft: Artifacts | None = None  # the draft model's export, with "draft_model"
+    prompt_lookup_max: int = 4  # longest n-gram prompt lookup matches (it tries shorter ones next)
+    prompt_lookup_min: int = 1
+    # Speculate only while a decode batch has at most this many rows (vLLM's
+    # speculative_disable_by_batch_size): a verify call is a prefill, compute-bound on a CPU,
+    # and a wider batch gains less from drafts than the call costs. 0: up to the largest prefill batch.
+    disable_by_batch_size: int = 1
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
+        if (self.draft is not None) != (self.method == "draft_model"):
+            raise ValueError("a draft model's artifacts go with the draft_model method, and only with it")
+        if not 1 <= self.num_tokens <= 64:
+            raise ValueError(f"num_speculative_tokens must be in [1, 64], got {self.num_tokens}")
+        if self.disable_by_batch_size < 0:
+            raise ValueError(f"disable_by_batch_size must be >= 0, got {self.disable_by_batch_size}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"prompt lookup needs 1 <= min <= max n-gram, got {self.prompt_lookup_min}, "
+                             f"{self.prompt_lookup_max}")
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     # What to load. None only while the artifacts are still to be built: GenerateService
@@ -30,6 +62,7 @@ class ServiceConfig:
     max_queue: int = 256  # requests waiting before submit answers "busy" (0: none may wait)
     # A diffusion model's APD verifier: an autoregressive export with the same tokenizer.
     apd_verifier: Artifacts | None = None
+    speculative: SpeculativeConfig | None = None  # off unless given
 
     def __post_init__(self):
         if self.prefix_sharing not in PREFIX_SHARING:

@@ -19,7 +19,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from kiln.runtime.service import GenerateService, ServiceState
 
-from . import generate_routes, openai_routes, tokenizer_routes, websocket_routes
+from . import generate_routes, openai_routes, responses_routes, tokenizer_routes, websocket_routes
 from .errors import install_error_handlers
 from .logprobs import TokenText
 from .metrics import CONTENT_TYPE, Metrics
@@ -36,6 +36,13 @@ def create_app(service: GenerateService, settings: ServerSettings,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        grpc_front = None
+        if settings.grpc_port is not None:
+            from .grpc_server import GrpcFront  # the grpc extra, imported only when asked for
+
+            grpc_front = app.state.grpc = GrpcFront(service, settings)
+            await grpc_front.start()
+            await grpc_front.set_serving(False)
         loader = asyncio.create_task(load(app))
         try:
             yield
@@ -43,6 +50,8 @@ def create_app(service: GenerateService, settings: ServerSettings,
             await begin_drain(app)
             if not loader.done():
                 loader.cancel()
+            if grpc_front is not None:
+                await grpc_front.stop(grace=5.0)
 
     async def load(app: FastAPI) -> None:
         try:
@@ -55,12 +64,14 @@ def create_app(service: GenerateService, settings: ServerSettings,
                 on_fatal()
             return
         app.state.token_text = TokenText(lambda ids: service.decode(ids, skip_special_tokens=False))
+        if getattr(app.state, "grpc", None) is not None:
+            await app.state.grpc.set_serving(True)
         log.info("ready: serving %s on http://%s:%d", settings.model_name, settings.host, settings.port)
 
     app = FastAPI(title="Kiln", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.service = service
     app.state.settings = settings
-    app.state.metrics = metrics = Metrics(service)
+    app.state.metrics = metrics = Metrics(service, settings.model_name)
     app.state.started_at = int(time.time())
     app.state.load_error = None
     app.state.exit_code = 0
@@ -86,6 +97,7 @@ def create_app(service: GenerateService, settings: ServerSettings,
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     app.include_router(openai_routes.router)
+    app.include_router(responses_routes.router)
     app.include_router(generate_routes.router)
     app.include_router(websocket_routes.router)
     app.include_router(tokenizer_routes.router)
@@ -105,6 +117,8 @@ def create_app(service: GenerateService, settings: ServerSettings,
 async def drain(app: FastAPI, settle_seconds: float = 5.0) -> None:
     """Drain the service, then give WebSocket generations the moment they need to send their
     last message (their events have ended; the send has not yet happened)."""
+    if getattr(app.state, "grpc", None) is not None:  # gRPC health checkers stop sending work
+        await app.state.grpc.set_serving(False)
     await begin_drain(app)
     deadline = time.monotonic() + settle_seconds
     while any(session.running for session in app.state.sockets) and time.monotonic() < deadline:

@@ -81,9 +81,16 @@ async def generate(body: GenerateRequest, request: Request):
         ids = [[c.token_ids for c in r.choices] if len(r.choices) > 1 else r.choices[0].token_ids for r in results]
         return JSONResponse(ids[0] if single else ids)
     return JSONResponse({"responses": [
-        {"prompt": text, "responses": [{"text": c.text} for c in result.choices]}
+        {"prompt": text, "responses": [response_of(c) for c in result.choices]}
         for text, result in zip(texts, results)
     ]})
+
+
+def response_of(choice) -> dict:
+    """One completion as shortfin's response, with a beam's summed log-probability (ranked best first)."""
+    if choice.cumulative_logprob is None:
+        return {"text": choice.text}
+    return {"text": choice.text, "cumulative_logprob": choice.cumulative_logprob}
 
 
 async def stream_generate(generation: Generation, rids: list[str], path: str) -> AsyncIterator[bytes]:

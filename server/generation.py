@@ -2,7 +2,8 @@
 
 Routes (OpenAI, shortfin, WebSocket) differ in how they format results, not in how they
 run them; this is the part they share, the checks every route makes first included. It
-also times each sequence's tokens for the latency histograms. Leaving `events()` early,
+also times each sequence's tokens for the latency histograms, and observes each request
+whose sequences have all finished (tokens in and out, time queued). Leaving `events()` early,
 for whatever reason (a client gone, a cancelled task), aborts every prompt still
 running, so their pages return at once.
 """
@@ -96,6 +97,8 @@ class Generation:
         self.completion_tokens = 0
         self._started = 0.0
         self._last_token: dict[tuple[int, int], float] = {}
+        self._open_sequences = [p.n for p in params]  # per prompt: its request ends when none is left
+        self._generated = [0] * len(prompts)  # per prompt, all its sequences' tokens
         self._aborted: set[str] = set()
 
     # -- in ---------------------------------------------------------------------------------
@@ -187,6 +190,7 @@ class Generation:
         key = (index, event.index)
         if event.token_ids:
             self.completion_tokens += len(event.token_ids)
+            self._generated[index] += len(event.token_ids)
             if self.metrics is not None:
                 last = self._last_token.get(key)
                 if last is None:
@@ -197,3 +201,6 @@ class Generation:
         if event.finish_reason and self.metrics is not None:
             self.metrics.finished.labels(event.finish_reason).inc()
             self.metrics.request_latency.observe(now - self._started)
+            self._open_sequences[index] -= 1
+            if not self._open_sequences[index]:
+                self.metrics.request_finished(self.requests[index], self._generated[index])

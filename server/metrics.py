@@ -2,7 +2,9 @@
 
 Each app has its own registry, so several apps (tests) never share or clash. Gauges and
 counters owned by the runtime (queue, pages, tokens) are read from GenerateService.stats()
-when /metrics is scraped, never copied.
+when /metrics is scraped, never copied. Every sample carries `model_name` (the first served
+name, as /v1/models lists it), as vLLM's do, so dashboards built for vLLM can select Kiln's
+series the same way; names follow Prometheus' rules (`_total` only on counters).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from kiln.runtime.request import Request
 from kiln.runtime.service import GenerateService
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -18,6 +21,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 _TOKENS_PER_FORWARD_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8, 25.6, 60.0, 120.0)
+# Tokens per request: 1, 2, 5, 10, ... (vLLM's spacing), past any context length.
+_TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
 
 
 class ServiceCollector(Collector):
@@ -31,7 +36,7 @@ class ServiceCollector(Collector):
         gauges = {
             "kiln_requests_waiting": ("requests waiting to be scheduled (the queue)", stats.waiting_requests),
             "kiln_sequences_running": ("sequences holding KV pages (prefilling or decoding)", stats.running_sequences),
-            "kiln_kv_pages_total": ("KV-cache pages a request can get", stats.pages_total),
+            "kiln_kv_pages_capacity": ("KV-cache pages a request can get", stats.pages_total),
             "kiln_kv_pages_free": ("KV-cache pages never allocated or released", stats.pages_free),
             "kiln_kv_pages_cached": ("KV-cache pages held only by the prefix cache (evictable)", stats.pages_cached),
             "kiln_kv_pages_active": ("KV-cache pages referenced by requests in flight", stats.pages_active),
@@ -55,6 +60,8 @@ class ServiceCollector(Collector):
         yield steps
         if stats.forward_passes or self.service.is_diffusion:
             yield from diffusion_metrics(stats)
+        if stats.speculation is not None:
+            yield from speculative_metrics(stats.speculation)
 
 
 def diffusion_metrics(stats):
@@ -74,10 +81,38 @@ def diffusion_metrics(stats):
     )
 
 
+def speculative_metrics(counters):
+    """Speculative decoding's drafts and what was kept of them (vLLM's spec_decode counters)."""
+    for name, documentation, value in (
+        ("kiln_spec_decode_drafts", "decode rows that carried a draft into a verify call", counters.drafts),
+        ("kiln_spec_decode_draft_tokens", "draft tokens proposed and verified", counters.draft_tokens),
+        ("kiln_spec_decode_accepted_tokens", "draft tokens the model agreed with and kept", counters.accepted_tokens),
+    ):
+        yield CounterMetricFamily(name, documentation, value=value)
+    yield GaugeMetricFamily("kiln_spec_decode_mean_accepted_length",
+                            "tokens a drafted row gains per verify call (kept drafts + 1), since start",
+                            value=counters.mean_accepted_length)
+
+
+class ModelRegistry(CollectorRegistry):
+    """A registry that labels every sample of every family with the model's name when it is
+    collected: no metric (the runtime's, read at scrape time, included) can go out without it."""
+
+    def __init__(self, model_name: str):
+        super().__init__()
+        self.model_name = model_name
+
+    def collect(self):
+        for metric in super().collect():  # fresh objects each scrape: relabelling them changes nothing kept
+            metric.samples = [sample._replace(labels={"model_name": self.model_name, **sample.labels})
+                              for sample in metric.samples]
+            yield metric
+
+
 class Metrics:
-    def __init__(self, service: GenerateService):
+    def __init__(self, service: GenerateService, model_name: str):
         disable_created_metrics()  # no `_created` series beside every counter (process-wide, as intended here)
-        self.registry = CollectorRegistry()
+        self.registry = ModelRegistry(model_name)
         self.requests = Counter("kiln_requests", "HTTP requests by route and status",
                                 ["route", "method", "status"], registry=self.registry)
         self.time_to_first_token = Histogram("kiln_time_to_first_token_seconds",
@@ -90,7 +125,23 @@ class Metrics:
                                          buckets=_TTFT_BUCKETS, registry=self.registry)
         self.finished = Counter("kiln_sequences_finished", "sequences finished, by reason", ["reason"],
                                 registry=self.registry)
+        # Per request (all its sequences), as vLLM's vllm:request_* histograms.
+        self.request_queue_time = Histogram("kiln_request_queue_time_seconds",
+                                            "from a request's arrival to its first sequence's admission to run",
+                                            buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.request_prompt_tokens = Histogram("kiln_request_prompt_tokens", "prompt tokens of a finished request",
+                                               buckets=_TOKEN_COUNT_BUCKETS, registry=self.registry)
+        self.request_generation_tokens = Histogram("kiln_request_generation_tokens",
+                                                   "tokens a finished request generated (all its sequences)",
+                                                   buckets=_TOKEN_COUNT_BUCKETS, registry=self.registry)
         self.registry.register(ServiceCollector(service))
+
+    def request_finished(self, request: Request, generation_tokens: int) -> None:
+        """Observe a request whose every sequence has finished."""
+        self.request_prompt_tokens.observe(len(request.prompt_ids))
+        self.request_generation_tokens.observe(generation_tokens)
+        if request.scheduled_at is not None:  # None: it failed before it ever ran
+            self.request_queue_time.observe(request.scheduled_at - request.arrived_at)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

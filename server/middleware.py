@@ -36,8 +36,8 @@ access_log = logging.getLogger("kiln.access")
 OPEN_PATHS = {"/health", "/metrics"}
 # Where Guard leaves a WebSocket's rate-limit check (scope state): the route calls it per generation.
 RATE_LIMIT_STATE = "check_rate_limit"
-KNOWN_ROUTES = {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/ws",
-                "/tokenize", "/detokenize", "/tokenizer_info"}
+KNOWN_ROUTES = {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health",
+                "/metrics", "/ws", "/tokenize", "/detokenize", "/tokenizer_info"}
 SECURITY_HEADERS = {
     "x-content-type-options": "nosniff",
     "x-frame-options": "DENY",
@@ -236,7 +236,7 @@ class JsonBodies:
     body as JSON; so do we, rather than refuse a well-formed request over a header.
     """
 
-    JSON_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+    JSON_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize")
 
     def __init__(self, app: ASGIApp):
         self.app = app

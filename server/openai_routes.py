@@ -86,8 +86,6 @@ async def completions(body: CompletionRequest, request: Request):
     state, service, settings = prepare(request, body)
     if body.suffix:
         raise InvalidRequestError("suffix is not supported", param="suffix")
-    if body.best_of is not None and body.best_of != body.n:
-        raise InvalidRequestError("best_of is not supported (other than equal to n)", param="best_of")
     logprobs = check_logprobs(body.logprobs, "logprobs")
     prompts, texts = await completion_prompts(service, body, settings)
     # echo with max_tokens 0 (what older lm-eval sends for loglikelihood): the prompt alone,

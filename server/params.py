@@ -58,22 +58,28 @@ def _one_of(body: DiffusionFields, name: str, alias: str):
     return value if value is not None else other
 
 
+def format_constraint(kind: str, schema, param: str) -> Constraint | None:
+    """OpenAI's output formats (chat's response_format, the Responses API's text.format) as a
+    constraint: None for text; `param` is the field they came in, for errors."""
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint.of("json_object", None, param)
+    if kind == "json_schema":
+        if not isinstance(schema, dict):
+            raise InvalidRequestError(f"{param} json_schema needs a `schema` object", param=param)
+        return Constraint.of("json", schema, param)
+    raise InvalidRequestError(f"{param} type must be text, json_object or json_schema, got {kind!r}", param=param)
+
+
 def openai_constraint(body: OpenAISampling) -> Constraint | None:
     """The one structured-output constraint a request asks for, in OpenAI's or vLLM's words."""
     given = []
     response_format = body.response_format
-    if response_format is not None and response_format.type != "text":
-        if response_format.type == "json_object":
-            given.append(Constraint.of("json_object", None, "response_format"))
-        elif response_format.type == "json_schema":
-            schema = (response_format.json_schema or {}).get("schema")
-            if not isinstance(schema, dict):
-                raise InvalidRequestError("response_format json_schema needs a `schema` object",
-                                          param="response_format")
-            given.append(Constraint.of("json", schema, "response_format"))
-        else:
-            raise InvalidRequestError(f"response_format type must be text, json_object or json_schema, got "
-                                      f"{response_format.type!r}", param="response_format")
+    if response_format is not None:
+        schema = (response_format.json_schema or {}).get("schema")
+        if (constraint := format_constraint(response_format.type, schema, "response_format")) is not None:
+            given.append(constraint)
     for kind, name in (("json", "guided_json"), ("regex", "guided_regex"), ("choice", "guided_choice"),
                        ("grammar", "guided_grammar")):
         if getattr(body, name) is not None:
@@ -122,12 +128,27 @@ def openai_params(body: OpenAISampling, max_tokens: int, logprobs: int | None = 
         ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens,
         skip_special_tokens=body.skip_special_tokens,
+        speculative=body.speculative,
+        **openai_beam_search(body),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         logit_bias=logit_bias(body.logit_bias),
         diffusion=diffusion_params(body, diffusion_model),
         constraint=openai_constraint(body),
     )
+
+
+def openai_beam_search(body: OpenAISampling) -> dict:
+    """vLLM's beam search fields as SamplingParams': best_of beams (n when not given)."""
+    if not body.use_beam_search:
+        if body.best_of is not None and body.best_of != body.n:
+            raise InvalidRequestError("best_of (sampling best_of completions and returning the n best) is only "
+                                      "available as a beam search: set use_beam_search", param="best_of")
+        return {}
+    width = body.best_of if body.best_of is not None else body.n
+    if width < body.n:
+        raise InvalidRequestError(f"n ({body.n}) must not exceed best_of ({width}), the beam width", param="n")
+    return {"num_beams": width, "length_penalty": body.length_penalty}
 
 
 def check_logprobs(value: int | None, param: str) -> int | None:
@@ -137,8 +158,9 @@ def check_logprobs(value: int | None, param: str) -> int | None:
 
 
 def shortfin_params(sp: ShortfinSamplingParams, diffusion_model: bool = False) -> SamplingParams:
-    if sp.use_beam_search:
-        raise InvalidRequestError("beam search is not supported: use n for independent samples", param="use_beam_search")
+    beams = sp.num_beams if sp.num_beams is not None else 1
+    if sp.use_beam_search and beams < 2:
+        raise InvalidRequestError("beam search (use_beam_search) needs num_beams of 2 or more", param="num_beams")
     max_tokens = sp.max_completion_tokens if sp.max_completion_tokens is not None else sp.max_new_tokens
     sampled = sp.top_k is not None or sp.top_p is not None
     return SamplingParams.from_kwargs(
@@ -148,6 +170,8 @@ def shortfin_params(sp: ShortfinSamplingParams, diffusion_model: bool = False) -
         top_p=sp.top_p,
         min_p=sp.min_p,
         n=sp.n if sp.n is not None else (sp.num_beams or 1),
+        num_beams=beams if sp.use_beam_search else None,
+        length_penalty=sp.length_penalty,
         stop=sp.stop,
         stop_token_ids=sp.stop_token_ids,
         seed=sp.seed,
@@ -156,6 +180,7 @@ def shortfin_params(sp: ShortfinSamplingParams, diffusion_model: bool = False) -
         frequency_penalty=sp.frequency_penalty,
         ignore_eos=sp.ignore_eos,
         skip_special_tokens=sp.skip_special_tokens,
+        speculative=sp.speculative,
         diffusion=diffusion_params(sp, diffusion_model),
         constraint=shortfin_constraint(sp),
     )

@@ -74,6 +74,11 @@ class OpenAISampling(DiffusionFields):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     priority: int = 0
+    speculative: bool = True  # False: no speculative decoding for this request
+    # vLLM's beam search: best_of beams (n when not given), the best n returned.
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float = 1.0
     # Structured output: OpenAI's response_format, and vLLM's guided_* and structured_outputs.
     response_format: ResponseFormat | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -89,7 +94,6 @@ class CompletionRequest(OpenAISampling):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
-    best_of: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
 
@@ -116,6 +120,69 @@ class ChatCompletionRequest(OpenAISampling):
     add_special_tokens: bool = False
 
 
+# -- OpenAI's Responses API (/v1/responses) ------------------------------------------------------
+# Lists come before strings in the unions below: a list with a bad item then fails on that item
+# (`input.0.role: ...`), not on "should be a valid string".
+
+class ResponsesContentPart(BaseModel):
+    """Text in an input message: `input_text`, or `output_text` from an earlier reply."""
+
+    model_config = ConfigDict(extra="ignore")  # an earlier reply's annotations and logprobs
+
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class ResponsesInputMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # an earlier reply's message id and status
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: list[ResponsesContentPart] | str
+
+
+class ResponsesTextFormat(BaseModel):
+    """text.format: {"type": "text" | "json_object" | "json_schema", "name", "schema", "strict"}."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)  # description: echoed back
+
+    type: str = "text"
+    name: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponsesText(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # verbosity: a hosted model's option
+
+    format: ResponsesTextFormat = Field(default_factory=ResponsesTextFormat)
+
+
+class ResponsesRequest(BaseModel):
+    """What /v1/responses reads. Nothing is stored, so the fields that refer to stored
+    responses or conversations, and function tools, are refused by the route."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: list[ResponsesInputMessage] | str
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    metadata: dict[str, str] | None = None
+    store: bool | None = None  # accepted; nothing is stored either way
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: bool | None = None
+    text: ResponsesText | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    user: str | None = None
+
+
 # -- shortfin's /generate (shortfin_apps/llm/components/io_struct.py) -----------------------
 
 class ShortfinSamplingParams(DiffusionFields):
@@ -128,7 +195,8 @@ class ShortfinSamplingParams(DiffusionFields):
     top_k: int | None = None
     top_p: float | None = None
     num_beams: int | None = None
-    use_beam_search: bool = False
+    use_beam_search: bool = False  # with num_beams: a beam search; without, num_beams independent samples
+    length_penalty: float = 1.0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
@@ -138,6 +206,7 @@ class ShortfinSamplingParams(DiffusionFields):
     frequency_penalty: float | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    speculative: bool = True
     # SGLang's structured output fields.
     json_schema: str | None = None
     regex: str | None = None

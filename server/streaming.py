@@ -22,9 +22,11 @@ DONE = b"data: [DONE]\n\n"
 T = TypeVar("T")
 
 
-def sse(payload: Any) -> bytes:
-    """One event: `data: <json>` and a blank line (JSON never spans lines)."""
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+def sse(payload: Any, event: str | None = None) -> bytes:
+    """One event: `data: <json>` and a blank line (JSON never spans lines), after `event: <name>`
+    where the API names its events (the Responses API does)."""
+    data = b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return data if event is None else b"event: " + event.encode() + b"\n" + data
 
 
 class ClientDisconnected(Exception):

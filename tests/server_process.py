@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -11,6 +12,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')  # name="value" in a sample's braces
 
 
 def free_port() -> int:
@@ -49,10 +52,15 @@ class ServerProcess:
         return self.log_path.read_text()
 
     def metric(self, name: str, default: float | None = None) -> float:
-        """A sample's value: `name` alone, or with its labels as Prometheus prints them."""
+        """A sample's value: `name` alone, or with labels as Prometheus prints them
+        (`kiln_model_steps_total{kind="decode"}`); labels not given (model_name) may be anything."""
+        base, _, given = name.partition("{")
+        wanted = set(_LABEL.findall(given))
         for line in httpx.get(self.url + "/metrics").text.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
+            sample, _, value = line.rpartition(" ")
+            sample_name, _, labels = sample.partition("{")
+            if sample_name == base and wanted <= set(_LABEL.findall(labels)):
+                return float(value)
         if default is None:
             raise KeyError(name)
         return default

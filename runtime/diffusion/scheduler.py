@@ -134,6 +134,7 @@ class DiffusionScheduler(BaseScheduler):
             if seq.canvas is None:
                 seq.canvas = self._canvas(seq, plan)
             self._start_running(seq, SequenceState.DENOISE)
+            seq.request.mark_scheduled()
 
     def _canvas(self, seq: Sequence, plan):
         config, params = self.config, plan.params

@@ -256,3 +256,18 @@ def test_rows_aborted_while_their_batch_ran_are_skipped():
     assert scheduler.postprocess(batch, [3, 3]) == [None, None]
     assert a.tokens == list(range(10, 15)) and b.tokens[-1] == 3
     cache.check_integrity()
+
+
+def test_a_requests_queue_time_ends_when_it_is_first_admitted():
+    scheduler, _ = make(prefill=(1,))
+    first, second = seq(5, name="first"), seq(5, name="second")
+    for s in (first, second):
+        scheduler.add(s)
+    assert first.request.scheduled_at is None and first.request.arrived_at > 0
+    complete(scheduler, scheduler.schedule())  # one prefill row: only the first is admitted
+    admitted = first.request.scheduled_at
+    assert admitted is not None and admitted >= first.request.arrived_at and second.request.scheduled_at is None
+    scheduler.preempt(first)
+    while first.state is SequenceState.WAITING:  # readmitted: its queue time stays the first wait
+        complete(scheduler, scheduler.schedule())
+    assert first.request.scheduled_at == admitted

@@ -52,3 +52,25 @@ def test_kiln_generate_command(smollm2_artifacts):
                       "--no-special-tokens", "--max-tokens", "32", "--json")
     out = json.loads(result.stdout)
     assert out["completions"][0]["text"] == REFERENCE_CONTINUATION
+
+
+REPEATED = "The quick brown fox jumps over the lazy dog. Kiln serves compiled models. "
+COPY_PROMPT = "Repeat the following text exactly.\n\nText: " + REPEATED * 3 + "\n\nRepeated text: " + REPEATED
+
+
+def test_speculative_decoding_keeps_greedy_tokens_and_pays_on_copying(llm, smollm2_artifacts):
+    from kiln.runtime import Artifacts, SpeculativeConfig
+
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    prompts = [COPY_PROMPT, REFERENCE_PROMPT, "def fibonacci(n):", "Water boils at"]
+    plain = [r.completions[0].token_ids for r in llm.generate(prompts, params)]
+    draft = Artifacts.in_directory(smollm2_artifacts)
+    for spec in (SpeculativeConfig("ngram", 4, disable_by_batch_size=0),
+                 SpeculativeConfig("draft_model", 3, draft, disable_by_batch_size=0)):
+        with LLM(smollm2_artifacts, speculative=spec) as speculative:
+            assert speculative.generate([COPY_PROMPT], params)[0].completions[0].token_ids == plain[0]
+            counters = speculative.service.stats().speculation
+            assert counters.accepted_tokens > counters.draft_tokens // 2  # copying: most drafts are right
+            together = speculative.generate(prompts, params)  # a busy batch of speculating rows
+            assert [r.completions[0].token_ids for r in together] == plain
+            assert speculative.service.cache.stats().active == 0

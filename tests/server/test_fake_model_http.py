@@ -194,3 +194,40 @@ def test_logit_bias_steers_the_choice(client):
     completion = client.post("/v1/completions", json={**body, "logprobs": 0}).json()
     assert completion["choices"][0]["logprobs"]["tokens"] == [client.service.decode([forced],
                                                                                     skip_special_tokens=False)]
+
+
+def scrape(client) -> tuple[dict[str, float], dict[str, str]]:
+    """/metrics as {sample with its labels: value} and {family: type}."""
+    samples, types = {}, {}
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, family, kind = line.split()
+            types[family] = kind
+        elif line and not line.startswith("#"):
+            sample, value = line.rsplit(" ", 1)
+            samples[sample] = float(value)
+    return samples, types
+
+
+def test_metrics_name_the_model_and_observe_each_finished_request(client):
+    before, _ = scrape(client)
+    body = {"model": "fake", "prompt": [5, 9, 13], "max_tokens": 4, "temperature": 0, "ignore_eos": True, "n": 2}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    after, types = scrape(client)
+    # Every sample names the model, as vLLM's do (the first served name, as /v1/models lists it).
+    assert all('model_name="fake"' in sample for sample in after), [s for s in after if "model_name" not in s]
+    # promtool's lint: `_total` is a counter's suffix, never a gauge's.
+    assert not [family for family, kind in types.items() if kind == "gauge" and family.endswith("_total")]
+    assert types["kiln_kv_pages_capacity"] == "gauge" and "kiln_kv_pages_total" not in types
+
+    def grew(name: str, **labels) -> float:
+        key = name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted({**labels, "model_name": "fake"}.items())) + "}"
+        return after[key] - before.get(key, 0)
+
+    # One request of two sequences: observed once, its tokens those of both.
+    for family in ("kiln_request_queue_time_seconds", "kiln_request_prompt_tokens", "kiln_request_generation_tokens"):
+        assert types[family] == "histogram" and grew(f"{family}_count") == 1, family
+    assert grew("kiln_request_prompt_tokens_sum") == 3 and grew("kiln_request_generation_tokens_sum") == 8
+    assert grew("kiln_request_generation_tokens_bucket", le="5.0") == 0
+    assert grew("kiln_request_generation_tokens_bucket", le="10.0") == 1
+    assert 0 <= grew("kiln_request_queue_time_seconds_sum") < 5

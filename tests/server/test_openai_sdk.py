@@ -226,13 +226,16 @@ def test_sixteen_concurrent_streams_match_solo(client, smol_server):
 def test_metrics_after_traffic(smol_server):
     text = httpx.get(smol_server.url + "/metrics").text
     for name in ("kiln_time_to_first_token_seconds_count", "kiln_inter_token_latency_seconds_count",
-                 "kiln_generation_tokens_total", "kiln_prompt_tokens_total", "kiln_kv_pages_total",
+                 "kiln_generation_tokens_total", "kiln_prompt_tokens_total", "kiln_kv_pages_capacity",
                  "kiln_kv_pages_free", "kiln_kv_pages_cached", "kiln_kv_pages_active", "kiln_requests_waiting",
-                 "kiln_sequences_running", "kiln_prefix_cache_hit_tokens_total"):
-        assert name in text, name
+                 "kiln_sequences_running", "kiln_prefix_cache_hit_tokens_total",
+                 "kiln_request_queue_time_seconds_count", "kiln_request_prompt_tokens_count",
+                 "kiln_request_generation_tokens_count"):
+        assert f'{name}{{model_name="smol"' in text, name
     assert smol_server.metric("kiln_time_to_first_token_seconds_count") > 0
     assert smol_server.metric("kiln_prefix_cache_hit_tokens_total") > 0
-    total = smol_server.metric("kiln_kv_pages_total")
+    assert smol_server.metric("kiln_request_generation_tokens_count") > 0
+    total = smol_server.metric("kiln_kv_pages_capacity")
     parts = [smol_server.metric(f"kiln_kv_pages_{k}") for k in ("free", "cached", "active")]
     assert sum(parts) == total and not math.isnan(total)
-    assert 'kiln_requests_total{method="POST",route="/v1/completions",status="200"}' in text
+    assert 'kiln_requests_total{method="POST",model_name="smol",route="/v1/completions",status="200"}' in text

@@ -138,3 +138,29 @@ def test_auto_without_a_call_is_plain_content_and_bad_tools_are_400(client, tool
         response = httpx.post(tools_server.url + "/v1/chat/completions",
                               json={"model": "tiny", "messages": CHAT, "max_tokens": 4, **body}, timeout=30)
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def test_langchain_bind_tools_and_with_structured_output(tools_server):
+    """LangChain's ChatOpenAI, unchanged: a forced tool call, and a schema-constrained answer."""
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    @tool
+    def get_time(zone: int) -> str:
+        """The time in a time zone (hours from UTC)."""
+        return f"12:00 UTC{zone:+d}"
+
+    class City(BaseModel):
+        name: str = Field(max_length=12)
+        population: int = Field(ge=0, le=1_000_000)
+
+    chat = ChatOpenAI(model="tiny", base_url=tools_server.url + "/v1", api_key="unused", temperature=0,
+                      max_retries=0, max_tokens=120, timeout=60)
+    reply = chat.bind_tools([get_time], tool_choice="get_time").invoke("What time is it in Tokyo?")
+    [call] = reply.tool_calls
+    assert call["name"] == "get_time" and isinstance(call["args"]["zone"], int) and call["id"]
+    assert get_time.invoke(call["args"]).startswith("12:00")
+    for method in ("json_schema", "function_calling"):
+        city = chat.with_structured_output(City, method=method).invoke("Name a city and its population.")
+        assert isinstance(city, City), method

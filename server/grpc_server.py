@@ -1,0 +1,107 @@
+"""The gRPC front: KServe v2 / Triton's GRPCInferenceService and vLLM's VllmEngine (what the
+smg gateway speaks to its workers) over the same GenerateService as the HTTP routes, with gRPC
+health checking and server reflection, behind the HTTP server's API keys.
+
+The message and service stubs are the ones the protocol packages ship, generated from their
+own .proto files: tritonclient's for KServe v2 (package `inference`), smg-grpc-proto's for
+VllmEngine (package `vllm.grpc.engine`). Nothing here is generated or edited by hand. They
+are the `grpc` extra, imported only when `--grpc-port` is given.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from kiln.runtime.errors import KilnError, QueueFullError
+from kiln.runtime.service import GenerateService
+
+from .settings import ServerSettings
+
+log = logging.getLogger("kiln.grpc")
+# Callable without a key, as load balancers and grpcurl expect.
+OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/")
+_STATUS_BY_HTTP = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+                   503: grpc.StatusCode.UNAVAILABLE}
+
+
+def status_of(error: KilnError) -> grpc.StatusCode:
+    """A Kiln error as gRPC says it: a bad request is INVALID_ARGUMENT, never INTERNAL."""
+    if isinstance(error, QueueFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    return _STATUS_BY_HTTP.get(error.status, grpc.StatusCode.INTERNAL)
+
+
+class ApiKeyInterceptor(aio.ServerInterceptor):
+    """`authorization: Bearer KEY` metadata, checked as the HTTP middleware checks the header."""
+
+    def __init__(self, keys: tuple[str, ...]):
+        self.keys = frozenset(keys)
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_SERVICES):
+            return handler
+        given = dict(details.invocation_metadata or ()).get("authorization", "")
+        if given.startswith("Bearer ") and given[len("Bearer "):] in self.keys:
+            return handler
+        return _refusing(handler)
+
+
+def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that answers UNAUTHENTICATED."""
+
+    async def unary(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is required "
+                            "(metadata authorization: Bearer KEY)")
+
+    async def streaming(request, context):
+        await unary(request, context)
+        yield  # never reached: makes this an async generator, as a streaming handler is
+
+    kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    make = kinds[(handler.request_streaming, handler.response_streaming)]
+    return make(streaming if handler.response_streaming else unary,
+                request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+
+
+class GrpcFront:
+    """The gRPC server beside the HTTP one: started once the app starts, stopped as it drains."""
+
+    def __init__(self, service: GenerateService, settings: ServerSettings):
+        from .kserve_grpc import add_kserve_service
+        from .vllm_grpc import add_vllm_engine_service
+
+        interceptors = [ApiKeyInterceptor(settings.api_keys)] if settings.api_keys else []
+        self.server = aio.server(interceptors=interceptors,
+                                 options=[("grpc.max_receive_message_length", settings.max_body_bytes)])
+        self.health = HealthServicer()
+        names = [add_kserve_service(self.server, service, settings),
+                 add_vllm_engine_service(self.server, service, settings)]
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names += [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, self.server)
+        self.service_names = names[:2]
+        self.address = f"{settings.host}:{settings.grpc_port}"
+        if not self.server.add_insecure_port(self.address):
+            raise OSError(f"cannot listen for gRPC on {self.address}")
+
+    async def start(self) -> None:
+        await self.server.start()
+        log.info("gRPC on %s: %s", self.address, ", ".join(self.service_names))
+
+    async def set_serving(self, serving: bool) -> None:
+        """Health: SERVING once the model is loaded, NOT_SERVING while loading or draining."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace)

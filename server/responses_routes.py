@@ -1,0 +1,198 @@
+"""OpenAI's Responses API: POST /v1/responses, whole or as its named server-sent events.
+
+A request becomes the chat request it amounts to (`instructions` as a system message first,
+then the input's messages) and runs through /v1/chat/completions' prompt building, sampling
+parameters and structured output, so the two routes render and sample a conversation alike;
+only the answer's shape differs. Nothing is stored (what `store: false` means), so whatever
+needs a stored response (previous_response_id, conversation, background) is a 400, and so are
+function tools, which /v1/chat/completions serves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from kiln.runtime.errors import InvalidRequestError
+from kiln.runtime.sampling import SamplingParams
+
+from .errors import failure_of
+from .generation import Choice, Generation, Usage, admit, rest_of_context
+from .openai_routes import chat_prompt
+from .params import format_constraint, openai_params
+from .protocol import ChatCompletionRequest, ChatMessage, ResponsesInputMessage, ResponsesRequest, ResponsesTextFormat
+from .streaming import EventStream, sse, unless_disconnected
+
+router = APIRouter()
+
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
+# The fields that chat's machinery names in its errors, as this API calls them.
+_OWN_NAMES = {"max_tokens": "max_output_tokens", "messages": "input"}
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request):
+    state = request.app.state
+    service, settings = state.service, state.settings
+    admit(service, settings, body.model)
+    refuse_unsupported(body)
+    text_format = body.text.format if body.text is not None else ResponsesTextFormat()
+    chat = as_chat(body)
+    with own_names():
+        prompt = await chat_prompt(service, chat, settings, tools=None)
+        max_tokens = body.max_output_tokens if body.max_output_tokens is not None else rest_of_context(service, prompt)
+        params = openai_params(chat, max_tokens, diffusion_model=service.is_diffusion)
+        params.constraint = format_constraint(text_format.type, text_format.json_schema, "text.format")
+        view = ResponseView(body, text_format, body.model or settings.model_name, params)
+        generation = Generation(service, state.metrics, [prompt], [params], [view.id]).submit()
+    if body.stream:
+        return EventStream(view.stream(generation), on_close=generation.abort)
+    [result] = await unless_disconnected(request, generation.collect())
+    [choice] = result.choices
+    if (error := failure_of(choice)) is not None:
+        raise error
+    return JSONResponse(view.whole(choice, generation.usage()))
+
+
+def refuse_unsupported(body: ResponsesRequest) -> None:
+    if body.previous_response_id is not None:
+        raise InvalidRequestError("previous_response_id cannot be continued: this server stores no responses (as "
+                                  "with store false); send the whole conversation as input",
+                                  param="previous_response_id")
+    if body.conversation is not None:
+        raise InvalidRequestError("conversation is not supported: this server stores no conversations; send the "
+                                  "whole conversation as input", param="conversation")
+    if body.background:
+        raise InvalidRequestError("background responses are not supported: this server stores no responses to "
+                                  "fetch later", param="background")
+    if body.tools:
+        raise InvalidRequestError("function tools are not supported on /v1/responses: /v1/chat/completions "
+                                  "supports tools and tool_choice", param="tools")
+    if body.tool_choice not in (None, "none", "auto"):
+        raise InvalidRequestError("tool_choice needs tools, which /v1/responses does not support",
+                                  param="tool_choice")
+    metadata = body.metadata or {}
+    if len(metadata) > METADATA_PAIRS:
+        raise InvalidRequestError(f"metadata holds at most {METADATA_PAIRS} pairs, got {len(metadata)}",
+                                  param="metadata")
+    for key, value in metadata.items():
+        if len(key) > METADATA_KEY_CHARS or len(value) > METADATA_VALUE_CHARS:
+            raise InvalidRequestError(f"metadata keys have at most {METADATA_KEY_CHARS} characters and values at "
+                                      f"most {METADATA_VALUE_CHARS} (key {key[:METADATA_KEY_CHARS]!r})",
+                                      param="metadata")
+
+
+def as_chat(body: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request this one amounts to (its sampling fields; the route sets max_tokens)."""
+    messages = [] if body.instructions is None else [ChatMessage(role="system", content=body.instructions)]
+    items = [ResponsesInputMessage(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    for item in items:
+        content = item.content if isinstance(item.content, str) else \
+            [{"type": "text", "text": part.text} for part in item.content]
+        messages.append(ChatMessage(role=item.role, content=content))
+    if not messages:
+        raise InvalidRequestError("input holds no message (and there are no instructions)", param="input")
+    return ChatCompletionRequest(model=body.model, messages=messages, temperature=body.temperature,
+                                 top_p=body.top_p, user=body.user)
+
+
+@contextlib.contextmanager
+def own_names():
+    """Errors from chat's machinery, naming this API's fields instead of chat's."""
+    try:
+        yield
+    except InvalidRequestError as error:
+        name = _OWN_NAMES.get(error.param)
+        if name is None:
+            raise
+        raise InvalidRequestError(error.message.replace("max_tokens", name) if name == "max_output_tokens"
+                                  else error.message, param=name) from None
+
+
+def status_of(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def output_text(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def usage_of(usage: Usage) -> dict:
+    """The run's usage in this API's words (a diffusion LM's forward passes beside, as on chat)."""
+    chat = usage.to_json()
+    extra = {key: chat[key] for key in ("forward_passes", "tokens_per_forward", "canvas_tokens") if key in chat}
+    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens, **extra}
+
+
+class ResponseView:
+    """One response as OpenAI shows it: the whole object, or the events that build it."""
+
+    def __init__(self, body: ResponsesRequest, text_format: ResponsesTextFormat, model: str,
+                 params: SamplingParams):
+        self.id, self.message_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
+        self.created_at = int(time.time())
+        self.model = model
+        # What the request set, echoed as OpenAI does (sampling values as used, defaults included).
+        self.echoed = {
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": None, "reasoning": None, "store": False,
+            "temperature": params.temperature, "top_p": params.top_p,
+            "text": {"format": text_format.model_dump(by_alias=True, exclude_none=True)},
+            "tool_choice": body.tool_choice or "auto", "tools": [], "truncation": "disabled", "user": body.user,
+        }
+
+    def response(self, status: str, output: list[dict], usage: dict | None = None, error: dict | None = None) -> dict:
+        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+                "completed_at": int(time.time()) if status == "completed" else None, "error": error,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "model": self.model, "output": output, "usage": usage, **self.echoed}
+
+    def message(self, text: str | None, status: str) -> dict:
+        """The output message; None text: not begun (no content part yet)."""
+        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
+                "content": [] if text is None else [output_text(text)]}
+
+    def whole(self, choice: Choice, usage: Usage) -> dict:
+        status = status_of(choice.finish_reason)
+        return self.response(status, [self.message(choice.text, status)], usage_of(usage))
+
+    async def stream(self, generation: Generation) -> AsyncIterator[bytes]:
+        number = itertools.count()
+
+        def event(kind: str, **fields) -> bytes:
+            return sse({"type": kind, "sequence_number": next(number), **fields}, event=kind)
+
+        part = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        yield event("response.created", response=self.response("in_progress", []))
+        yield event("response.in_progress", response=self.response("in_progress", []))
+        yield event("response.output_item.added", output_index=0, item=self.message(None, "in_progress"))
+        yield event("response.content_part.added", **part, part=output_text(""))
+        text, finish = "", None
+        events = generation.events()
+        try:
+            async for _, update in events:
+                if (error := failure_of(update)) is not None:
+                    failure = {"code": "server_error", "message": error.message}
+                    yield event("response.failed", response=self.response("failed", [], error=failure))
+                    return
+                if update.text:
+                    text += update.text
+                    yield event("response.output_text.delta", **part, delta=update.text, logprobs=[])
+                finish = update.finish_reason or finish
+        finally:
+            await events.aclose()
+        status = status_of(finish)
+        yield event("response.output_text.done", **part, text=text, logprobs=[])
+        yield event("response.content_part.done", **part, part=output_text(text))
+        item = self.message(text, status)
+        yield event("response.output_item.done", output_index=0, item=item)
+        yield event(f"response.{status}", response=self.response(status, [item], usage_of(generation.usage())))
