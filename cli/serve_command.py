@@ -103,6 +103,13 @@ def add_command(commands) -> None:
                         default=speculative.disable_by_batch_size, metavar="N",
                         help="draft only while a decode batch has at most N rows; a verify call is a prefill, "
                         "compute-bound on a CPU (default: %(default)s; 0: up to the largest prefill batch)")
+    engine.add_argument("--kv-events", action="store_true",
+                        help="publish the prefix cache's KV events (pages stored and evicted) for cache-aware "
+                        "routers: gRPC SubscribeKvEvents, and ZMQ with --kv-events-endpoint")
+    engine.add_argument("--kv-events-endpoint", metavar="URL",
+                        help="also send them over ZMQ in vLLM's format, e.g. tcp://*:5557 (implies --kv-events; "
+                        "needs the events extra)")
+    engine.add_argument("--kv-events-topic", default="", metavar="TOPIC", help="the ZMQ topic (default: none)")
     engine.add_argument("--kv-cache-pages", type=_non_negative_int, default=defaults.page_count, metavar="N",
                         help="KV-cache pages (default: the export's device_block_count)")
     parser.set_defaults(run=run_serve)
@@ -201,6 +208,8 @@ def run_serve(args) -> int:
         host=args.host,
         port=args.port,
         grpc_port=args.grpc_port,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_topic=args.kv_events_topic,
         served_model_names=tuple(default_model_names(args, artifacts)),
         chat_template=read_chat_template(args.chat_template),
         tool_call_parser=args.tool_call_parser,
@@ -225,5 +234,6 @@ def run_serve(args) -> int:
         prefill_token_budget=args.max_prefill_tokens,
         apd_verifier=verifier_artifacts(args),
         speculative=speculative_config(args),
+        kv_events=args.kv_events or bool(args.kv_events_endpoint),
     )
     return serve(service_config, settings, log_level=args.log_level, prepare=prepare)

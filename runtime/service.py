@@ -26,6 +26,7 @@ from .diffusion.scheduler import DiffusionScheduler, DiffusionSchedulerConfig
 from .errors import InvalidRequestError, ModelLoadError, NotReadyError, QueueFullError
 from .executor import Executor
 from .grammar import GrammarCompiler, grammar_engine_installed
+from .kvcache.events import CacheCleared, KvEventLog
 from .kvcache.page_pool import PagePool
 from .kvcache.plain_cache import PlainPagedAttentionCache
 from .kvcache.trie_cache import TriePagedAttentionCache
@@ -54,6 +55,7 @@ class ServiceStats:
     state: str
     waiting_requests: int
     running_sequences: int
+    running_requests: int
     pages_total: int
     pages_free: int
     pages_cached: int
@@ -95,6 +97,8 @@ class GenerateService:
         self.verifier_executor: Executor | None = None
         # Structured output's grammars for this tokenizer; None without llguidance installed.
         self.grammars: GrammarCompiler | None = None
+        # The prefix cache's KV events (config.kv_events), for cache-aware routers.
+        self.kv_events: KvEventLog | None = None
         # Speculative decoding's draft model (config.speculative with a draft), and its executor.
         self.draft_program: Program | None = None
         self.draft_executor: Executor | None = None
@@ -146,6 +150,12 @@ class GenerateService:
             self._load_verifier(abi, page_count * abi.block_seq_stride)
         cache_class = TriePagedAttentionCache if prefix_sharing == "trie" else PlainPagedAttentionCache
         cache = cache_class(pool, abi.block_seq_stride)
+        if config.kv_events:
+            if prefix_sharing != "trie":
+                raise ModelLoadError("KV events come from the prefix cache: they need --prefix-sharing trie "
+                                     "(and an export whose prefill takes start positions)")
+            cache.events = self.kv_events = KvEventLog()
+            self.kv_events.emit(CacheCleared())  # whatever a subscriber knew of an earlier run is gone
         scheduler = self._diffusion_scheduler(abi, cache) if abi.is_diffusion else Scheduler(
             SchedulerConfig(
                 prefill_batch_sizes=abi.prefill_batch_sizes,
@@ -432,13 +442,14 @@ class GenerateService:
 
     def stats(self) -> ServiceStats:
         if self.batcher is None:
-            return ServiceStats(self.state.value, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+            return ServiceStats(self.state.value, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
         cache = self.cache.stats()
         scheduler, counters = self.batcher.scheduler, self.batcher.counters
         return ServiceStats(
             state=self.state.value,
             waiting_requests=scheduler.waiting_count,
             running_sequences=len(scheduler.running),
+            running_requests=len({seq.request.request_id for seq in scheduler.running}),
             pages_total=cache.total,
             pages_free=cache.free,
             pages_cached=cache.cached,

@@ -63,6 +63,8 @@ class ServiceConfig:
     # A diffusion model's APD verifier: an autoregressive export with the same tokenizer.
     apd_verifier: Artifacts | None = None
     speculative: SpeculativeConfig | None = None  # off unless given
+    # Publish the prefix cache's KV events (pages stored and evicted) for cache-aware routers.
+    kv_events: bool = False
 
     def __post_init__(self):
         if self.prefix_sharing not in PREFIX_SHARING:

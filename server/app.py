@@ -64,6 +64,12 @@ def create_app(service: GenerateService, settings: ServerSettings,
                 on_fatal()
             return
         app.state.token_text = TokenText(lambda ids: service.decode(ids, skip_special_tokens=False))
+        if service.kv_events is not None and settings.kv_events_endpoint:
+            from .kv_events_publisher import ZmqKvEventPublisher  # the events extra, imported only when asked for
+
+            app.state.kv_publisher = ZmqKvEventPublisher(settings.kv_events_endpoint, settings.kv_events_topic)
+            service.kv_events.add_listener(app.state.kv_publisher)
+            log.info("KV events published on %s", settings.kv_events_endpoint)
         if getattr(app.state, "grpc", None) is not None:
             await app.state.grpc.set_serving(True)
         log.info("ready: serving %s on http://%s:%d", settings.model_name, settings.host, settings.port)

@@ -62,6 +62,23 @@ class ServiceCollector(Collector):
             yield from diffusion_metrics(stats)
         if stats.speculation is not None:
             yield from speculative_metrics(stats.speculation)
+        yield from vllm_metrics(stats)
+
+
+def vllm_metrics(stats):
+    """The series vLLM exposes that routers read (llm-d's endpoint picker, vLLM's production-stack
+    router), under vLLM's names, so they route to Kiln as to vLLM."""
+    for name, documentation, value in (
+        ("vllm:num_requests_running", "requests with a sequence in model execution", stats.running_requests),
+        ("vllm:num_requests_waiting", "requests waiting to be scheduled", stats.waiting_requests),
+        ("vllm:kv_cache_usage_perc", "fraction of KV-cache pages in use by requests (1 = full)",
+         stats.pages_active / stats.pages_total if stats.pages_total else 0.0),
+    ):
+        yield GaugeMetricFamily(name, documentation, value=value)
+    yield CounterMetricFamily("vllm:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                              value=stats.prompt_tokens)
+    yield CounterMetricFamily("vllm:prefix_cache_hits", "prompt tokens found in the prefix cache",
+                              value=stats.prefix_hit_tokens)
 
 
 def diffusion_metrics(stats):

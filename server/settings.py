@@ -13,6 +13,9 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     grpc_port: int | None = None  # KServe v2 and VllmEngine over gRPC, on the same host; None: off
+    # Where the prefix cache's KV events go over ZMQ, in vLLM's format (with ServiceConfig.kv_events).
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = ""
     # Names the /v1 routes answer to; the first is the one /v1/models lists first.
     served_model_names: tuple[str, ...] = ("kiln",)
     chat_template: str | None = None  # overrides tokenizer_config.json's

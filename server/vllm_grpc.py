@@ -2,7 +2,9 @@
 what the Shepherd Model Gateway (smg) and vLLM's own gRPC clients speak to a worker. Token ids
 in and out (the gateway tokenizes and detokenizes), streamed `Generate`, `Abort`, health, model
 and server information, load, and the tokenizer's files; what Kiln cannot do (embeddings,
-profiling, cache flushing, KV events) answers UNIMPLEMENTED saying so.
+profiling, cache flushing) answers UNIMPLEMENTED saying so. With `--kv-events`,
+`SubscribeKvEvents` streams the prefix cache's pages stored and evicted, for smg's cache-aware
+routing.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from kiln.runtime.errors import InvalidRequestError, KilnError
 from kiln.runtime.grammar import Constraint
+from kiln.runtime.kvcache.events import MEDIUM, BlockStored, BlocksRemoved, EventBatch
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.service import GenerateService
 
@@ -84,6 +87,24 @@ def output_logprobs(event) -> pb.OutputLogProbs | None:
         out.token_logprobs.append(lp.logprob)
         out.token_ids.append(lp.token_id)
         out.top_logprobs.add(values=list(lp.top.values()), token_ids=list(lp.top))
+    return out
+
+
+def kv_event_batch(batch: EventBatch) -> common_pb2.KvEventBatch:
+    """A batch of the prefix cache's events in smg's schema; event ids number them within it."""
+    out = common_pb2.KvEventBatch(sequence_number=batch.sequence_number, timestamp=batch.timestamp)
+    for event_id, event in enumerate(batch.events):
+        if isinstance(event, BlockStored):
+            stored = common_pb2.KvBlocksStored(medium=MEDIUM, blocks=[common_pb2.KvBlock(
+                block_hash=event.block_hash, token_ids=event.token_ids, block_size=event.block_size)])
+            if event.parent_hash is not None:
+                stored.parent_block_hash = event.parent_hash
+            out.events.add(event_id=event_id, stored=stored)
+        elif isinstance(event, BlocksRemoved):
+            out.events.add(event_id=event_id, removed=common_pb2.KvBlocksRemoved(block_hashes=event.block_hashes,
+                                                                               medium=MEDIUM))
+        else:
+            out.events.add(event_id=event_id, cleared=common_pb2.KvCacheCleared())
     return out
 
 
@@ -198,8 +219,22 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Kiln has no profiler behind this call")
 
     async def SubscribeKvEvents(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Kiln does not publish KV-cache events yet")
-        yield  # never reached: a streaming handler is a generator
+        """The prefix cache's KV events, batch by batch, from `start_sequence_number` while the
+        history holds it; a subscriber that falls too far behind is told to resubscribe."""
+        log = (await self._loaded(context)).kv_events
+        if log is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "KV events are off: start the server with --kv-events")
+        subscription = log.subscribe(request.start_sequence_number)
+        try:
+            while True:
+                batch = await subscription.queue.get()
+                yield kv_event_batch(batch)
+                if subscription.dropped and subscription.queue.empty():
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "this subscriber fell behind: "
+                                        f"resubscribe from sequence {batch.sequence_number + 1}")
+        finally:
+            subscription.close()
 
     # -- helpers ------------------------------------------------------------------------
     async def _loaded(self, context) -> GenerateService:

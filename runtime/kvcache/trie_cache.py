@@ -16,6 +16,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from .base import BasePagedAttentionCache, CacheStats, PageAllocation
+from .events import BlockStored, BlocksRemoved, block_hash
 from .page_pool import PagePool
 
 
@@ -27,6 +28,7 @@ class TrieNode:
     children: dict[tuple[int, ...], TrieNode] = field(default_factory=dict)
     ref_count: int = 0  # live allocations whose prefix runs through this node
     last_access: int = 0  # the cache's logical clock, not wall time, so eviction is deterministic
+    block_hash: int | None = None  # its identity in KV events (None for the root)
 
 
 @dataclass(eq=False)
@@ -56,6 +58,8 @@ class TriePagedAttentionCache(BasePagedAttentionCache):
         self._hit_tokens = 0
         # Live allocations by identity, so check_integrity can account for private pages.
         self._live: dict[int, PageAllocation] = {}
+        # KV events (runtime.kvcache.events.KvEventLog) for cache-aware routers; None: off.
+        self.events = None
 
     # --- the interface ---------------------------------------------------------------
 
@@ -108,6 +112,9 @@ class TriePagedAttentionCache(BasePagedAttentionCache):
                 return
             node = TrieNode(key=key, page=allocation.pages[index], parent=parent, ref_count=1, last_access=self._clock)
             parent.children[key] = node
+            if self.events is not None:
+                node.block_hash = block_hash(parent.block_hash, key)
+                self.events.emit(BlockStored(node.block_hash, parent.block_hash, key, stride))
             self.page_pool.retain([node.page])  # the trie's own reference
             path.append(node)
             self._node_count += 1
@@ -212,6 +219,8 @@ class TriePagedAttentionCache(BasePagedAttentionCache):
             self._unreferenced_node_count -= 1
             evicted += 1
             self._push_if_evictable(parent)
+            if self.events is not None and node.block_hash is not None:
+                self.events.emit(BlocksRemoved((node.block_hash,)))
         return evicted
 
     def _iter_nodes(self):

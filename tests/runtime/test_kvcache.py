@@ -406,3 +406,29 @@ def test_random_operations_keep_the_accounting_and_the_contents_right(kind, seed
         cache.evict_all_unreferenced()
     cache.check_integrity()
     assert cache.stats().free == USABLE
+
+
+def test_kv_events_report_pages_stored_and_evicted(trie):
+    from kiln.runtime.kvcache.events import BlocksRemoved, BlockStored, KvEventLog, block_hash
+
+    log = trie.events = KvEventLog()
+    seen = []
+    log.add_listener(lambda batch: seen.extend(batch.events))
+    tokens = list(range(10, 20))  # two full pages and two tokens
+    allocation = trie.acquire_pages_for_tokens(tokens)
+    trie.publish_allocated_pages(allocation, tokens)
+    first, second = seen
+    assert isinstance(first, BlockStored) and first.token_ids == (10, 11, 12, 13) and first.parent_hash is None
+    assert second.token_ids == (14, 15, 16, 17) and second.parent_hash == first.block_hash
+    assert first.block_size == STRIDE and second.block_hash == block_hash(first.block_hash, (14, 15, 16, 17))
+    assert block_hash(None, (10, 11, 12, 13)) == first.block_hash  # the same in any process
+    trie.publish_allocated_pages(allocation, tokens)  # nothing new: no event
+    assert len(seen) == 2
+    trie.free_cache_pages(allocation)
+    assert trie.evict_all_unreferenced() == 2
+    assert seen[2:] == [BlocksRemoved((second.block_hash,)), BlocksRemoved((first.block_hash,))]  # leaf first
+    batches = []
+    subscription = log.subscribe(start=3)  # from the history: the batches numbered 3 on
+    while not subscription.queue.empty():
+        batches.append(subscription.queue.get_nowait())
+    assert [b.sequence_number for b in batches] == [3, 4] and batches[0].events == (seen[2],)

@@ -231,3 +231,20 @@ def test_metrics_name_the_model_and_observe_each_finished_request(client):
     assert grew("kiln_request_generation_tokens_bucket", le="5.0") == 0
     assert grew("kiln_request_generation_tokens_bucket", le="10.0") == 1
     assert 0 <= grew("kiln_request_queue_time_seconds_sum") < 5
+
+
+def test_vllm_named_series_for_routers(client):
+    """What llm-d's endpoint picker and vLLM's production-stack router read, under vLLM's names."""
+    before, _ = scrape(client)
+    body = {"model": "fake", "prompt": [5, 9, 13, 17, 21, 25, 29, 33, 2, 4], "max_tokens": 3, "temperature": 0}
+    for _ in range(2):  # the second finds the first's full pages in the prefix cache
+        assert client.post("/v1/completions", json=body).status_code == 200
+    after, types = scrape(client)
+    key = '{model_name="fake"}'
+    assert types["vllm:num_requests_running"] == types["vllm:num_requests_waiting"] == "gauge"
+    assert after["vllm:num_requests_running" + key] == 0 and after["vllm:num_requests_waiting" + key] == 0
+    assert after["vllm:kv_cache_usage_perc" + key] == 0.0
+    assert types["vllm:prefix_cache_queries_total"] == types["vllm:prefix_cache_hits_total"] == "counter"
+    queries = after["vllm:prefix_cache_queries_total" + key] - before.get("vllm:prefix_cache_queries_total" + key, 0)
+    hits = after["vllm:prefix_cache_hits_total" + key] - before.get("vllm:prefix_cache_hits_total" + key, 0)
+    assert queries == 20 and 0 < hits < 10

@@ -29,10 +29,12 @@ GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(start_server, tiny_artifacts):
+def server(start_server, tiny_artifacts, tmp_path_factory):
     port = free_port()
-    process = start_server("--artifacts", tiny_artifacts, "--served-model-name", "tiny", "--grpc-port", str(port))
-    process.grpc = f"127.0.0.1:{port}"
+    events = f"ipc://{tmp_path_factory.mktemp('kv-events')}/events"
+    process = start_server("--artifacts", tiny_artifacts, "--served-model-name", "tiny", "--grpc-port", str(port),
+                           "--kv-events-endpoint", events, "--kv-events-topic", "kv@tiny")
+    process.grpc, process.kv_events = f"127.0.0.1:{port}", events
     return process
 
 
@@ -195,3 +197,43 @@ def test_api_keys_guard_grpc_as_they_guard_http(start_server, tiny_artifacts):
     with pytest.raises(InferenceServerException):
         client.is_server_live()
     assert client.is_server_live(headers={"authorization": "Bearer sesame"})
+
+
+def test_kv_events_over_zmq_and_grpc_describe_the_pages_a_prompt_left(server, engine):
+    import msgpack
+    import zmq
+
+    subscriber = zmq.Context.instance().socket(zmq.SUB)
+    subscriber.connect(server.kv_events)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"kv@tiny")
+    time.sleep(0.3)  # a SUB socket sees only what is sent once it has joined
+    stream = engine.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=1), timeout=60)
+    first = next(stream)
+    assert first.sequence_number == 1 and first.events[0].WhichOneof("data") == "cleared"
+    prompt = [(7 * i) % 300 + 4 for i in range(40)]  # two full pages of 16, and 8 tokens more
+    body = {"input_ids": prompt, "sampling_params": {"max_completion_tokens": 2}}
+    assert httpx.post(server.url + "/generate", json=body, timeout=60).status_code == 200
+
+    stored = []
+    subscriber.setsockopt(zmq.RCVTIMEO, 10_000)
+    while len(stored) < 2:
+        topic, number, payload = subscriber.recv_multipart()
+        assert topic == b"kv@tiny" and int.from_bytes(number, "big") > 1
+        timestamp, events = msgpack.unpackb(payload)
+        stored += [e for e in events if e[0] == "BlockStored"]
+    (_, [first_hash], parent, tokens, size, _, medium), (_, [second_hash], second_parent, second_tokens, *_) = stored[:2]
+    assert parent is None and tokens == prompt[:16] and size == 16 and medium == "GPU"
+    assert second_parent == first_hash and second_tokens == prompt[16:32]
+    subscriber.close(0)
+
+    by_hash = {}  # the history replays earlier tests' pages too: find this prompt's by hash
+    for batch in stream:
+        for event in batch.events:
+            if event.WhichOneof("data") == "stored":
+                by_hash[event.stored.blocks[0].block_hash] = event.stored
+        if first_hash in by_hash and second_hash in by_hash:
+            break
+    stream.cancel()
+    first_page, second_page = by_hash[first_hash], by_hash[second_hash]
+    assert list(first_page.blocks[0].token_ids) == prompt[:16] and not first_page.HasField("parent_block_hash")
+    assert list(second_page.blocks[0].token_ids) == prompt[16:32] and second_page.parent_block_hash == first_hash
