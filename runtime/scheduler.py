@@ -57,6 +57,15 @@ class Finish:
     stop_token: int | None = None
 
 
+def _shared_pages(a: list[int], b: list[int], most: int, stride: int) -> int:
+    """How many whole pages (up to `most`) two token lists start with in common."""
+    pages = 0
+    while pages < most and a[pages * stride : (pages + 1) * stride] == b[pages * stride : (pages + 1) * stride] \
+            and len(b) >= (pages + 1) * stride:
+        pages += 1
+    return pages
+
+
 def smallest_fitting(sizes: tuple[int, ...], count: int) -> int:
     return next(size for size in sizes if size >= count)
 
@@ -166,7 +175,7 @@ class Scheduler(BaseScheduler):
             if sum(1 for s in self.running if s.state is SequenceState.PREFILL) >= max_prefill:
                 break
             key, seq = heapq.heappop(self.waiting)
-            if not seq.can_start():
+            if not seq.can_start() or self._prefix_in_flight(seq):
                 deferred.append((key, seq))
                 continue
             target = seq.prefill_target
@@ -186,6 +195,22 @@ class Scheduler(BaseScheduler):
             seq.request.mark_scheduled()
         for item in deferred:
             heapq.heappush(self.waiting, item)
+
+    def _prefix_in_flight(self, seq: Sequence) -> bool:
+        """Whether a sequence being prefilled is about to publish pages of seq's prompt that the
+        cache does not hold yet: seq waits for them rather than computing them a second time (two
+        requests with one long system prompt, arriving together, compute it once)."""
+        if not self.cache.shares_prefixes or seq.wants_prompt_logprobs:
+            return False
+        stride = self.config.block_seq_stride
+        matchable = (seq.prefill_target - 1) // stride * stride  # the cache leaves the last token to compute
+        for other in self.running:
+            if other.state is not SequenceState.PREFILL or other.computed >= matchable:
+                continue
+            shared = _shared_pages(seq.tokens, other.tokens, matchable // stride, stride) * stride
+            if shared > other.computed:
+                return True
+        return False
 
     def _prefill_batch(self, candidates: list[Sequence], budgeted: bool) -> Batch:
         # As many rows as the largest exported size that they fill: prefill is compute-bound

@@ -230,7 +230,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         params = sampling_params(inputs.get("sampling_parameters"))
         stream = bool(inputs.get("stream"))
         ids = await asyncio.get_running_loop().run_in_executor(None, service.encode, prompt)
-        submitted = service.submit(ids, params, request.id or uuid.uuid4().hex)
+        # The client's id is echoed, not used: Triton's clients may reuse one across requests.
+        submitted = service.submit(ids, params, uuid.uuid4().hex)
         text = "" if inputs.get("exclude_input_in_output") or stream else prompt
         async for event in service.stream(submitted):
             if event.error:

@@ -39,6 +39,8 @@ class CacheStats:
 
 
 class BasePagedAttentionCache(ABC):
+    shares_prefixes = False  # whether a published page can serve another sequence's prefix
+
     def __init__(self, page_pool: PagePool, block_seq_stride: int):
         self.page_pool = page_pool
         self.block_seq_stride = block_seq_stride

@@ -42,6 +42,8 @@ class _TrieHandle:
 
 
 class TriePagedAttentionCache(BasePagedAttentionCache):
+    shares_prefixes = True
+
     def __init__(self, page_pool: PagePool, block_seq_stride: int):
         super().__init__(page_pool, block_seq_stride)
         self.root = TrieNode(key=(), page=0, parent=None)

@@ -190,3 +190,21 @@ def test_bad_requests_and_a_full_queue_are_typed_errors(fake_model_dir):
 def test_the_fake_program_depends_on_every_token_of_the_prefix():
     assert next_token([5, 6, 7]) != next_token([5, 6, 8]) != next_token([6, 6, 8])
     assert expected_greedy([5], 3)[0] == next_token([5])
+
+
+@pytest.mark.parametrize("chunk_tokens", [256, 16])
+def test_requests_arriving_together_with_one_prompt_compute_it_once(fake_model_dir, chunk_tokens):
+    shared = prompt(64, 9)
+
+    async def scenario():
+        service = await started(fake_model_dir, chunk_tokens=chunk_tokens)
+        prompts = [shared, shared, shared + [7, 8, 9], shared[:40] + [5] * 30, prompt(20, 3)]
+        outs = await asyncio.gather(*(collect(service, p, GREEDY) for p in prompts))
+        assert [o[0]["ids"] for o in outs] == [expected_greedy(p, GREEDY.max_tokens) for p in prompts]
+        # The first computes the 64 shared tokens; the others wait for its pages rather than
+        # computing them too: 60 (the same prompt: the cache leaves its last page to compute), 64, 40.
+        assert service.cache.stats().hit_tokens == 60 + 64 + 40
+        assert_idle(service)
+        await service.stop()
+
+    run(scenario())
