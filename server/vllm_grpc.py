@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+import itertools
 import json
 import time
 import zipfile
@@ -33,6 +34,7 @@ from .settings import ServerSettings
 
 SERVICE_NAME = "vllm.grpc.engine.VllmEngine"
 TOKENIZER_CHUNK = 1 << 20
+KV_EVENTS_HEARTBEAT = 1.0  # seconds between load records on an idle KV event stream
 
 
 def add_vllm_engine_service(server, service: GenerateService, settings: ServerSettings) -> str:
@@ -226,15 +228,39 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "KV events are off: start the server with --kv-events")
         subscription = log.subscribe(request.start_sequence_number)
+        samples = itertools.count(1)
+        last = 0  # the last sequence number sent; load-only batches repeat it
         try:
+            # A load record at once (gateways take a silent stream for a dead worker), then one
+            # with every batch, and alone as a heartbeat while the cache has nothing to report.
+            yield common_pb2.KvEventBatch(sequence_number=last, timestamp=time.time(),
+                                          load=self._load(next(samples), load_only=True))
             while True:
-                batch = await subscription.queue.get()
-                yield kv_event_batch(batch)
+                try:
+                    batch = await asyncio.wait_for(subscription.queue.get(), KV_EVENTS_HEARTBEAT)
+                except asyncio.TimeoutError:
+                    yield common_pb2.KvEventBatch(sequence_number=last, timestamp=time.time(),
+                                                  load=self._load(next(samples), load_only=True))
+                    continue
+                out = kv_event_batch(batch)
+                out.load.CopyFrom(self._load(next(samples), load_only=False))
+                last = batch.sequence_number
+                yield out
                 if subscription.dropped and subscription.queue.empty():
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "this subscriber fell behind: "
-                                        f"resubscribe from sequence {batch.sequence_number + 1}")
+                                        f"resubscribe from sequence {last + 1}")
         finally:
             subscription.close()
+
+    def _load(self, sample: int, load_only: bool) -> common_pb2.EngineLoad:
+        """The engine's load as GetLoads reports it, for a KV event stream."""
+        service = self.service
+        stats = service.stats()
+        usage = stats.pages_active / stats.pages_total if stats.pages_total else 0.0
+        return common_pb2.EngineLoad(running_requests=stats.running_requests, waiting_requests=stats.waiting_requests,
+                                     token_usage=usage, active_token_usage=usage,
+                                     max_running_requests=service.config.max_running, sample=sample,
+                                     load_only=load_only)
 
     # -- helpers ------------------------------------------------------------------------
     async def _loaded(self, context) -> GenerateService:

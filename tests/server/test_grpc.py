@@ -208,8 +208,12 @@ def test_kv_events_over_zmq_and_grpc_describe_the_pages_a_prompt_left(server, en
     subscriber.setsockopt(zmq.SUBSCRIBE, b"kv@tiny")
     time.sleep(0.3)  # a SUB socket sees only what is sent once it has joined
     stream = engine.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=1), timeout=60)
+    load = next(stream)  # a load record first, at once: gateways take a silent stream for a dead worker
+    assert load.load.load_only and not load.events and load.sequence_number == 0
+    assert load.load.max_running_requests == 32 and load.load.running_requests == 0
     first = next(stream)
     assert first.sequence_number == 1 and first.events[0].WhichOneof("data") == "cleared"
+    assert not first.load.load_only
     prompt = [(7 * i) % 300 + 4 for i in range(40)]  # two full pages of 16, and 8 tokens more
     body = {"input_ids": prompt, "sampling_params": {"max_completion_tokens": 2}}
     assert httpx.post(server.url + "/generate", json=body, timeout=60).status_code == 200
