@@ -9,6 +9,11 @@ requests, with the acceptance rate and tokens gained per verify call. Structured
 milliseconds per token of a JSON-schema-constrained generation beside the same prompt
 unconstrained. Greedy throughout; every run's tokens are checked against plain decoding's.
 Figures, not asserts: ratios against plain decoding in the same run are what to quote.
+
+    python -m benchmarks.decoding_bench --llamacpp
+
+instead times one request at a time through Kiln (plain, lookup k=4 and 8) and through
+llama.cpp's llama-server (the peer setup's build) plain and with its `ngram-simple` drafting.
 """
 
 from __future__ import annotations
@@ -120,6 +125,74 @@ def speculative_figures(artifacts: Path, repeats: int) -> list[dict]:
     return rows
 
 
+LLAMACPP_CONFIGS = {  # llama-server's own drafting: none, then its n-gram lookup (ngram-simple)
+    "llama.cpp plain": [],
+    "llama.cpp ngram-simple (defaults: n=12, m=48)": ["--spec-type", "ngram-simple"],
+    "llama.cpp ngram-simple n=3, m=8": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+                                        "--spec-ngram-simple-size-m", "8"],
+}
+
+
+def llamacpp_figures(artifacts: Path, repeats: int) -> list[dict]:
+    """The same workloads, one request at a time, through llama.cpp's own server with and
+    without its n-gram drafting (the same token ids in, greedy, prompt cache off)."""
+    import subprocess
+
+    import httpx
+
+    from benchmarks.peers import llamacpp, weights
+    from benchmarks.peers.common import free_port
+    from kiln.runtime import LLM
+
+    with LLM(artifacts) as probe:
+        vocab, edit_ids = probe.service.vocab_size, probe.service.encode(EDIT_PROMPT)
+    workloads = {"edit (repeats its input)": (edit_ids, EDIT_TOKENS),
+                 "random prompts": (_random_prompts(1, RANDOM_PROMPT, vocab, np.random.default_rng(0))[0],
+                                    RANDOM_TOKENS)}
+    if not llamacpp.binary("llama-server").exists():
+        llamacpp.TARGETS[:] = ["llama-server"]  # only the server is needed here
+        llamacpp._build_binaries()
+    model = weights.gguf("f32")
+    rows, plain = [], {}
+    for label, extra in LLAMACPP_CONFIGS.items():
+        port = free_port()
+        server = subprocess.Popen([str(llamacpp.binary("llama-server")), "-m", str(model), "--host", "127.0.0.1",
+                                   "--port", str(port), "-t", "2", "-tb", "2", "--parallel", "1", "-c", "2048",
+                                   "--no-webui", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            for _ in range(600):
+                try:
+                    if httpx.get(url + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.1)
+            for workload, (ids, max_tokens) in workloads.items():
+                body = {"prompt": ids, "n_predict": max_tokens, "temperature": 0, "cache_prompt": False,
+                        "ignore_eos": True}
+                httpx.post(url + "/completion", json=body, timeout=600)  # warm
+                times, tokens = [], None
+                for _ in range(repeats):
+                    started = time.perf_counter()
+                    answer = httpx.post(url + "/completion", json=body, timeout=600).json()
+                    times.append(time.perf_counter() - started)
+                    tokens = answer.get("tokens") or answer["content"]
+                seconds = statistics.median(times)
+                key = workload
+                if not extra:
+                    plain[key] = (seconds, tokens)
+                row = {"config": label, "workload": workload, "concurrency": 1,
+                       "tokens_per_s": max_tokens / seconds, "speedup": plain[key][0] / seconds,
+                       "same_tokens": tokens == plain[key][1]}
+                rows.append(row)
+                log(json.dumps(row))
+        finally:
+            server.terminate()
+            server.wait(30)
+    return rows
+
+
 def _counters(llm) -> tuple[int, int, int]:
     counters = llm.service.stats().speculation
     return (0, 0, 0) if counters is None else (counters.draft_tokens, counters.accepted_tokens, counters.drafts)
@@ -157,7 +230,21 @@ def _parses(text: str) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--llamacpp", action="store_true",
+                        help="instead: one request at a time, Kiln's prompt lookup beside llama.cpp's server with "
+                        "and without its n-gram drafting (llama-server built and the GGUF converted first)")
     args = parser.parse_args()
+    if args.llamacpp:
+        global CONCURRENCY
+        CONCURRENCY = (1,)
+        with heavy_lock():
+            artifacts = build_artifacts("float32")
+            rows = speculative_figures(artifacts, args.repeats) + llamacpp_figures(artifacts, args.repeats)
+        out = RESULTS_DIR / f"decoding-llamacpp-{datetime.date.today().isoformat()}.json"
+        out.write_text(json.dumps({"model": "SmolLM2-135M-Instruct float32 (Kiln) and f32 GGUF (llama.cpp), CPU, "
+                                   "2 threads", "rows": rows}, indent=1) + "\n")
+        log(f"wrote {out}")
+        return 0
     with heavy_lock():
         artifacts = build_artifacts("float32")
         result = {
