@@ -258,11 +258,15 @@ class GenerateService:
         return DiffusionScheduler(config, cache, self.eos_token_ids, self.verifier_cache, verifier_sizes)
 
     def _eos_from_tokenizer(self) -> list[int]:
-        token = self.tokenizer_config.get("eos_token")
+        token_id = self.special_token_id("eos_token")
+        return [token_id] if token_id is not None else []
+
+    def special_token_id(self, name: str) -> int | None:
+        """The id of tokenizer_config.json's `name` token ("eos_token", "bos_token", ...), if any."""
+        token = self.tokenizer_config.get(name)
         if isinstance(token, dict):
             token = token.get("content")
-        token_id = self.tokenizer.token_to_id(token) if token else None
-        return [token_id] if token_id is not None else []
+        return self.tokenizer.token_to_id(token) if token else None
 
     async def stop(self, grace_seconds: float = 30.0) -> None:
         """Stop taking requests, let running ones finish for up to the grace period, abort the rest."""

@@ -42,13 +42,13 @@ def add_vllm_engine_service(server, service: GenerateService, settings: ServerSe
     return SERVICE_NAME
 
 
-def sampling_params(sp: pb.SamplingParams, prompt_len: int, service: GenerateService) -> SamplingParams:
+def sampling_params(sp: pb.SamplingParams, prompt: list[int], service: GenerateService) -> SamplingParams:
     """The proto's fields as Kiln's: proto3 zeros mean "not set" where vLLM reads them so."""
     if sp.HasField("logprobs") and sp.logprobs < 0 or sp.HasField("prompt_logprobs") and sp.prompt_logprobs < 0:
         raise InvalidRequestError("logprobs of every token (-1) are not available: ask for at most 20",
                                   param="logprobs")
     return SamplingParams.from_kwargs(
-        max_tokens=sp.max_tokens if sp.HasField("max_tokens") else rest_of_context(service, [0] * prompt_len),
+        max_tokens=sp.max_tokens if sp.HasField("max_tokens") else rest_of_context(service, prompt),
         temperature=sp.temperature if sp.HasField("temperature") else None,
         top_p=sp.top_p or None, top_k=sp.top_k or None, min_p=sp.min_p or None,
         frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
@@ -125,7 +125,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
                 ids = await asyncio.get_running_loop().run_in_executor(None, service.encode, request.text)
             else:
                 ids = service.check_token_ids(request.tokenized.input_ids, param="input_ids")
-            params = sampling_params(request.sampling_params, len(ids), service)
+            params = sampling_params(request.sampling_params, ids, service)
             submitted = service.submit(ids, params, request.request_id or None)
         except KilnError as error:
             await context.abort(status_of(error), error.message)
@@ -159,13 +159,13 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
 
     async def GetModelInfo(self, request, context):
         service = await self._loaded(context)
-        tokens = service.tokenizer_config
         return pb.GetModelInfoResponse(
             model_path=str(service.artifacts.config.parent), is_generation=True,
             max_context_length=service.max_seq_len, vocab_size=service.vocab_size,
             served_model_name=self.settings.model_name, tokenizer_path=str(service.artifacts.tokenizer_path),
             model_type="diffusion" if service.is_diffusion else "llama", eos_token_ids=service.eos_token_ids,
-            pad_token_id=self._token_id(tokens.get("pad_token")), bos_token_id=self._token_id(tokens.get("bos_token")),
+            pad_token_id=_or_none(service.special_token_id("pad_token")),
+            bos_token_id=_or_none(service.special_token_id("bos_token")),
             max_req_input_len=service.max_seq_len - 1)
 
     async def GetServerInfo(self, request, context):
@@ -269,8 +269,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading: retry shortly")
         return self.service
 
-    def _token_id(self, token) -> int:
-        if isinstance(token, dict):
-            token = token.get("content")
-        found = self.service.tokenizer.token_to_id(token) if token else None
-        return -1 if found is None else found
+
+def _or_none(token_id: int | None) -> int:
+    """The proto's way to say "no such token": -1."""
+    return -1 if token_id is None else token_id

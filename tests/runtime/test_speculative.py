@@ -63,6 +63,11 @@ def repetitive(length, seed):
     return (phrase * (length // 6 + 1))[:length]
 
 
+def drafting_with(directory, k: int = 4) -> SpeculativeConfig:
+    """A draft model (the export in `directory`) drafting k tokens at every batch width."""
+    return SpeculativeConfig("draft_model", k, Artifacts.in_directory(directory), disable_by_batch_size=0)
+
+
 def copy_of(directory, to):
     """The fake model's artifacts in another directory, so a factory can tell the draft apart."""
     to.mkdir()
@@ -170,9 +175,7 @@ def test_by_default_only_a_lone_decoding_sequence_is_drafted_for(fake_model_dir)
 
 def test_a_draft_model_identical_to_the_target_is_always_right(fake_model_dir):
     async def scenario():
-        spec = SpeculativeConfig("draft_model", num_tokens=4, draft=Artifacts.in_directory(fake_model_dir),
-                                 disable_by_batch_size=0)
-        service = await started(fake_model_dir, spec)
+        service = await started(fake_model_dir, drafting_with(fake_model_dir))
         outs = await asyncio.gather(*(tokens_of(service, p, GREEDY) for p in PROMPTS))
         assert [o[0] for o in outs] == [expected_greedy(p, GREEDY.max_tokens) for p in PROMPTS]
         counters = service.stats().speculation
@@ -210,9 +213,7 @@ def test_a_draft_model_that_is_sometimes_wrong_changes_nothing_and_leaks_nothing
 
 def test_aborts_mid_speculation_return_every_page(fake_model_dir):
     async def scenario():
-        spec = SpeculativeConfig("draft_model", num_tokens=4, draft=Artifacts.in_directory(fake_model_dir),
-                                 disable_by_batch_size=0)
-        service = await started(fake_model_dir, spec)
+        service = await started(fake_model_dir, drafting_with(fake_model_dir))
         long = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
 
         async def abandon(prompt):
