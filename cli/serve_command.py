@@ -8,10 +8,12 @@ process itself never imports torch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from pathlib import Path
 
-from kiln.runtime.service_config import PREFIX_SHARING, ServiceConfig, SpeculativeConfig
+from kiln.runtime.service_config import HOST_WRITE_POLICIES, PREFIX_SHARING, ServiceConfig, SpeculativeConfig
+from kiln.server.replicas.prefix_table import POLICIES, RoutingPolicy
 from kiln.server.settings import ServerSettings
 from kiln.server.tool_calls import PARSERS
 
@@ -30,6 +32,23 @@ def _non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
+
+
+_BYTE_UNITS = {"": 1, "b": 1, **{f"{p}{b}": 1000**n for n, p in enumerate("kmgt", 1) for b in ("", "b")},
+               **{f"{p}ib": 1024**n for n, p in enumerate("kmgt", 1)}}
+
+
+def _byte_size(text: str) -> int:
+    """A size in bytes: 1000000, 512MiB, 4G, 2.5GiB."""
+    number = text.rstrip("bBkKmMgGtTiI")
+    unit = text[len(number):].lower()
+    try:
+        value = float(number) * _BYTE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"expected a size such as 4GiB or 500M, got {text}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return int(value)
 
 
 def _positive_int(text: str) -> int:
@@ -110,9 +129,45 @@ def add_command(commands) -> None:
                         help="also send them over ZMQ in vLLM's format, e.g. tcp://*:5557 (implies --kv-events; "
                         "needs the events extra)")
     engine.add_argument("--kv-events-topic", default="", metavar="TOPIC", help="the ZMQ topic (default: none)")
+    engine.add_argument("--host-kv-size", type=_byte_size, default=defaults.host_kv_bytes, metavar="BYTES",
+                        help="keep evicted prefix-cache pages in this much host memory (e.g. 4GiB) and copy them "
+                        "back instead of recomputing them (default: off; the CPU device)")
+    engine.add_argument("--host-kv-write-policy", choices=HOST_WRITE_POLICIES, default=defaults.host_kv_write_policy,
+                        help="write_through: copy a page to host memory as it is cached; write_back: when the device "
+                        "evicts it (default: %(default)s)")
+    engine.add_argument("--kv-cache-dir", metavar="DIR",
+                        help="keep cached prefixes in files here too, so a restarted server reuses them (uses the "
+                        "host tier: --host-kv-size, by default as large as the device's cache)")
     engine.add_argument("--kv-cache-pages", type=_non_negative_int, default=defaults.page_count, metavar="N",
                         help="KV-cache pages (default: the export's device_block_count)")
+    scale = parser.add_argument_group("data parallel (Ray Serve; needs the ray extra)")
+    scale.add_argument("--data-parallel", type=_positive_int, metavar="N",
+                       help="N engine replicas, each with its own KV cache, behind one front that sends a request "
+                       "to the replica holding its prefix")
+    scale.add_argument("--ray-address", metavar="ADDR",
+                       help="join this Ray cluster ('auto', or host:port of `ray start --head`); default: start one here")
+    scale.add_argument("--replica-cpus", type=_positive_float, default=0.0, metavar="C",
+                       help="cores per replica (default: this machine's cores shared evenly)")
+    scale.add_argument("--replica-gpus", type=_positive_float, default=0.0, metavar="G", help="GPUs per replica")
+    scale.add_argument("--autoscale", type=_replica_bounds, metavar="MIN:MAX",
+                       help="let Ray add and remove replicas between MIN and MAX (starting at --data-parallel)")
+    scale.add_argument("--target-ongoing-requests", type=_positive_int, default=16, metavar="N",
+                       help="with --autoscale: the in-flight requests per replica Ray scales towards (default: %(default)s)")
+    scale.add_argument("--routing", choices=POLICIES, default=RoutingPolicy().name,
+                       help="cache_aware (the replica holding the prompt's prefix while loads are even) or "
+                       "round_robin (default: %(default)s)")
     parser.set_defaults(run=run_serve)
+
+
+def _replica_bounds(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(":")
+    try:
+        bounds = int(low), int(high)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN:MAX, got {text}") from None
+    if not 0 < bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"need 0 < MIN <= MAX, got {text}")
+    return bounds
 
 
 def needs_build(args) -> bool:
@@ -235,5 +290,32 @@ def run_serve(args) -> int:
         apd_verifier=verifier_artifacts(args),
         speculative=speculative_config(args),
         kv_events=args.kv_events or bool(args.kv_events_endpoint),
+        host_kv_bytes=args.host_kv_size,
+        host_kv_write_policy=args.host_kv_write_policy,
+        kv_cache_dir=args.kv_cache_dir,
     )
+    if args.data_parallel:
+        return run_data_parallel(args, service_config, settings)
     return serve(service_config, settings, log_level=args.log_level, prepare=prepare)
+
+
+def run_data_parallel(args, service_config: ServiceConfig, settings: ServerSettings) -> int:
+    """The same service on N Ray Serve replicas; the artifacts are built first (every replica loads them)."""
+    try:
+        from kiln.server.replicas.launcher import DataParallelConfig, serve_data_parallel
+    except ImportError as error:
+        raise SystemExit(f"kiln serve: --data-parallel needs Ray Serve (pip install 'kiln[ray]'): {error}") from None
+    from kiln.server.main import configure_logging
+
+    configure_logging(args.log_level)
+    if service_config.artifacts is None:
+        service_config = dataclasses.replace(service_config, artifacts=resolve_in_child(args))
+    low, high = args.autoscale or (None, None)
+    try:
+        config = DataParallelConfig(
+            replicas=args.data_parallel, min_replicas=low, max_replicas=high,
+            target_ongoing_requests=args.target_ongoing_requests, replica_cpus=args.replica_cpus,
+            replica_gpus=args.replica_gpus, ray_address=args.ray_address, routing=RoutingPolicy(args.routing))
+    except ValueError as error:
+        raise SystemExit(f"kiln serve: {error}") from None
+    return serve_data_parallel(service_config, settings, config, log_level=args.log_level)

@@ -20,6 +20,7 @@ from .batch import Batch, Phase
 from .beam_search import BeamGroup
 from .executor import Executor
 from .invocation import InvocationError
+from .kv_tiers import KvTiers
 from .output_processor import OutputProcessor
 from .request import Request, Sequence, SequenceState
 from .sampling import SampleResult, Sampler
@@ -48,13 +49,20 @@ class BatcherCounters:
 
 class Batcher:
     def __init__(self, scheduler: Scheduler, executor: Executor, outputs: OutputProcessor, sampler: Sampler,
-                 verifier: Executor | None = None, speculator: Speculator | None = None):
+                 verifier: Executor | None = None, speculator: Speculator | None = None,
+                 kv_tiers: KvTiers | None = None):
         """`verifier`, with APD: the autoregressive model that runs the scheduler's VERIFY batches.
-        `speculator`, with speculative decoding: drafts for decode batches, and what rows keep."""
+        `speculator`, with speculative decoding: drafts for decode batches, and what rows keep.
+        `kv_tiers`: the prefix cache's host (and disk) tiers: the host's copies are made before
+        each step (and when idle) and passed on to be saved; with a disk, a request's saved pages
+        are read before it is scheduled."""
         self.scheduler = scheduler
         self.executor = executor
         self.verifier = verifier
         self.speculator = speculator
+        self.kv_tiers = kv_tiers
+        self.host_tier = kv_tiers.host if kv_tiers is not None else None
+        self._prefetching: set[asyncio.Task] = set()
         self.outputs = outputs
         self.sampler = sampler
         self.counters = BatcherCounters()
@@ -77,9 +85,30 @@ class Batcher:
             leader = leader or seq
         self.requests[request.request_id] = request
         self.outputs.add(request)
-        for seq in request.sequences:
-            self.scheduler.add(seq)
         self.counters.prompt_tokens += len(request.prompt_ids)
+        if self.kv_tiers is None or self.kv_tiers.disk is None:
+            self._schedule(request)
+            return
+        task = asyncio.get_running_loop().create_task(self._prefetch_then_schedule(request))
+        self._prefetching.add(task)
+        task.add_done_callback(self._prefetching.discard)
+
+    async def _prefetch_then_schedule(self, request: Request) -> None:
+        try:
+            await self.kv_tiers.read_prefix(request.prompt_ids)
+        except Exception:  # what could not be read is computed instead
+            log.exception("reading a prompt's cached pages failed")
+        self._schedule(request)
+
+    def _schedule(self, request: Request) -> None:
+        """Hand the request's sequences to the scheduler (those not aborted meanwhile)."""
+        for seq in request.sequences:
+            if seq.state is not SequenceState.FINISHED:
+                self.scheduler.add(seq)
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Run the loop once more (it makes the host tier's waiting copies when idle)."""
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -122,6 +151,9 @@ class Batcher:
         while not self._stopping:
             self._apply_aborts()
             batch = self.scheduler.schedule()
+            if batch is None and self.host_tier is not None and self.host_tier.pending:
+                await self.copy_pages()  # idle: make the copies now rather than before the next step
+                continue
             if batch is None:
                 self._wake.clear()
                 if not self._pending_aborts:
@@ -129,6 +161,10 @@ class Batcher:
                 continue
             if self.speculator is not None and batch.phase is Phase.DECODE:
                 batch = await self.speculator.extend(batch)
+            if self.host_tier is not None and self.host_tier.pending:
+                # Pages restored for this batch must hold their K/V before it runs; pages evicted
+                # while scheduling it are read before anyone writes them.
+                await self.copy_pages()
             try:
                 executor = self.verifier if batch.phase is Phase.VERIFY else self.executor
                 logits = await executor.run(batch)
@@ -144,6 +180,14 @@ class Batcher:
                 self._end(self.scheduler.sequences_of(batch), "error", f"internal error: {error}")
             # Let request handlers run between steps even when the device is fast.
             await asyncio.sleep(0)
+
+    async def copy_pages(self) -> None:
+        """The host tier's waiting copies, made between steps; then what went to the host is
+        passed on (to be saved on disk)."""
+        if not self.host_tier.pending:
+            return
+        copied = await self.executor.copy_pages(self.host_tier)
+        self.kv_tiers.save_copies(copied)
 
     # -- after a step -----------------------------------------------------------------
     def postprocess(self, batch: Batch, logits: list[np.ndarray | None]) -> None:

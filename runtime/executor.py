@@ -34,6 +34,11 @@ class Executor:
         return [np.array(logits[row, at], dtype=np.float32) if want else None
                 for row, (at, want) in enumerate(zip(invocation.read_at, invocation.wanted))]
 
+    async def copy_pages(self, host_tier) -> list:
+        """The host tier's waiting copies (kvcache.host_tier), on the thread the model's calls
+        run on, so no call is reading or writing the cache meanwhile; what its flush returns."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, host_tier.flush, self.cache.to_host())
+
     async def run(self, batch: Batch) -> list[np.ndarray | None]:
         """Logits [V] for each row that samples, [len(chunk), V] for full_logits rows, else None."""
         try:

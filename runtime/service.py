@@ -30,6 +30,7 @@ from .kvcache.events import CacheCleared, KvEventLog
 from .kvcache.page_pool import PagePool
 from .kvcache.plain_cache import PlainPagedAttentionCache
 from .kvcache.trie_cache import TriePagedAttentionCache
+from .kv_tiers import KvTiers, disk_store_for, host_tier_for
 from .output_processor import OutputProcessor
 from .program import Program
 from .request import Event, Request
@@ -60,7 +61,7 @@ class ServiceStats:
     pages_free: int
     pages_cached: int
     pages_active: int
-    prefix_hit_tokens: int
+    prefix_hit_tokens: int  # not computed: found on the device or copied back from the host tier
     prompt_tokens: int
     generated_tokens: int
     preemptions: int
@@ -70,6 +71,15 @@ class ServiceStats:
     committed_per_pass: dict = field(default_factory=dict)
     # Speculative decoding (None when off): its SpeculationCounters.
     speculation: object = None
+    # The host KV tier (zeros when off): its pages, the hits it served, the bytes copied each way.
+    host_pages_total: int = 0
+    host_pages_used: int = 0
+    host_hit_tokens: int = 0
+    bytes_to_host: int = 0
+    bytes_to_device: int = 0
+    # The disk tier (zeros when off): the hits it served, its pages written, read and refused.
+    disk_hit_tokens: int = 0
+    disk_pages: dict = field(default_factory=dict)
 
 
 class GenerateService:
@@ -99,6 +109,8 @@ class GenerateService:
         self.grammars: GrammarCompiler | None = None
         # The prefix cache's KV events (config.kv_events), for cache-aware routers.
         self.kv_events: KvEventLog | None = None
+        # The prefix cache's host-memory tier (config.host_kv_bytes) and disk tier (config.kv_cache_dir).
+        self.kv_tiers: KvTiers | None = None
         # Speculative decoding's draft model (config.speculative with a draft), and its executor.
         self.draft_program: Program | None = None
         self.draft_executor: Executor | None = None
@@ -148,8 +160,16 @@ class GenerateService:
             prefix_sharing = "none"  # a diffusion prompt's K/V depend on the canvas after it
         if config.apd_verifier is not None:
             self._load_verifier(abi, page_count * abi.block_seq_stride)
-        cache_class = TriePagedAttentionCache if prefix_sharing == "trie" else PlainPagedAttentionCache
-        cache = cache_class(pool, abi.block_seq_stride)
+        host_tier = None
+        if config.host_kv_bytes or config.kv_cache_dir:
+            # The disk tier reads into host slots: without a size given, as many as device pages.
+            host_bytes = config.host_kv_bytes or page_count * page_bytes
+            host_tier = host_tier_for(config, pool, program, host_bytes, prefix_sharing)
+        cache = (TriePagedAttentionCache(pool, abi.block_seq_stride, host_tier) if prefix_sharing == "trie"
+                 else PlainPagedAttentionCache(pool, abi.block_seq_stride))
+        if host_tier is not None:
+            disk = disk_store_for(config, artifacts, program) if config.kv_cache_dir else None
+            self.kv_tiers = KvTiers(cache, host_tier, disk)
         if config.kv_events:
             if prefix_sharing != "trie":
                 raise ModelLoadError("KV events come from the prefix cache: they need --prefix-sharing trie "
@@ -174,12 +194,30 @@ class GenerateService:
         self.program, self.cache, self.pool = program, cache, pool
         speculator = self._speculator(abi, scheduler) if config.speculative is not None else None
         self.batcher = Batcher(scheduler, executor, OutputProcessor(self.tokenizer), Sampler(self.eos_token_ids),
-                               verifier=self.verifier_executor, speculator=speculator)
+                               verifier=self.verifier_executor, speculator=speculator, kv_tiers=self.kv_tiers)
         log.info(
             "loaded %s: %d KV pages of %d tokens (%.0f MiB) in %.1fs",
             artifacts.vmfb, page_count, abi.block_seq_stride,
             page_count * page_bytes / 2**20, time.monotonic() - started,
         )
+
+    async def save_prefix_to_disk(self, prompt_ids: list[int]) -> int:
+        """A prompt's full pages computed (if they are not cached) and saved on disk, whatever the
+        write policy (the admin route's save); returns how many of them the disk holds."""
+        self.check_ready()
+        if self.kv_tiers is None or self.kv_tiers.disk is None:
+            raise InvalidRequestError("the server has no disk KV tier: start it with --kv-cache-dir")
+        async for _ in self.generate(prompt_ids, SamplingParams(max_tokens=1, temperature=0)):
+            pass
+        return await self.kv_tiers.save_prefix(prompt_ids, self.batcher.wake)
+
+    async def restore_prefix_from_disk(self, prompt_ids: list[int]) -> int:
+        """A prompt's pages read from disk into the host tier ahead of use (the admin route's
+        restore); returns how many of its full pages the cache now holds in any tier."""
+        self.check_ready()
+        if self.kv_tiers is None or self.kv_tiers.disk is None:
+            raise InvalidRequestError("the server has no disk KV tier: start it with --kv-cache-dir")
+        return await self.kv_tiers.restore_prefix(prompt_ids)
 
     def _load_verifier(self, abi, tokens: int) -> None:
         """APD's verifier: an autoregressive export with the same tokenizer, scoring drafts with
@@ -282,6 +320,9 @@ class GenerateService:
         while self.batcher.requests and time.monotonic() < deadline + 5:
             await asyncio.sleep(0.02)
         await self.batcher.stop()
+        if self.kv_tiers is not None:  # the last step's copies made, and saved
+            await self.batcher.copy_pages()
+            await self.kv_tiers.close()
         self.batcher.executor.close()
         for extra in (self.verifier_executor, self.draft_executor):
             if extra is not None:
@@ -458,7 +499,7 @@ class GenerateService:
             pages_free=cache.free,
             pages_cached=cache.cached,
             pages_active=cache.active,
-            prefix_hit_tokens=cache.hit_tokens,
+            prefix_hit_tokens=cache.hit_tokens + cache.host_hit_tokens + cache.disk_hit_tokens,
             prompt_tokens=counters.prompt_tokens,
             generated_tokens=counters.generated_tokens,
             preemptions=scheduler.preemptions,
@@ -469,4 +510,9 @@ class GenerateService:
             forward_passes=dict(counters.forward_passes),
             committed_per_pass=dict(counters.committed_per_pass),
             speculation=self.batcher.speculator.counters if self.batcher.speculator is not None else None,
+            host_pages_total=cache.host_total,
+            host_pages_used=cache.host_used,
+            host_hit_tokens=cache.host_hit_tokens,
+            disk_hit_tokens=cache.disk_hit_tokens,
+            **(self.kv_tiers.transfer_stats() if self.kv_tiers is not None else {}),
         )

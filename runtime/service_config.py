@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from .contract import Artifacts
 
 PREFIX_SHARING = ("trie", "none")
+HOST_WRITE_POLICIES = ("write_through", "write_back")  # as kvcache.host_tier names them
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -65,11 +66,19 @@ class ServiceConfig:
     speculative: SpeculativeConfig | None = None  # off unless given
     # Publish the prefix cache's KV events (pages stored and evicted) for cache-aware routers.
     kv_events: bool = False
+    # A host-memory tier under the prefix cache, in bytes (0: off): evicted pages are kept there.
+    host_kv_bytes: int = 0
+    host_kv_write_policy: str = "write_through"  # or "write_back": copy at eviction, not at publish
+    # A disk tier under the host tier: pages saved in this directory outlive the server (None: off).
+    kv_cache_dir: str | None = None
 
     def __post_init__(self):
         if self.prefix_sharing not in PREFIX_SHARING:
             raise ValueError(f"prefix_sharing must be one of {', '.join(PREFIX_SHARING)}, got {self.prefix_sharing!r}")
-        for name in ("page_count", "memory_budget_bytes", "prefill_token_budget", "max_queue"):
+        if self.host_kv_write_policy not in HOST_WRITE_POLICIES:
+            raise ValueError(f"host_kv_write_policy must be one of {', '.join(HOST_WRITE_POLICIES)}, "
+                             f"got {self.host_kv_write_policy!r}")
+        for name in ("page_count", "memory_budget_bytes", "prefill_token_budget", "max_queue", "host_kv_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("chunk_tokens", "max_running"):

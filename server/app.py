@@ -19,7 +19,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from kiln.runtime.service import GenerateService, ServiceState
 
-from . import generate_routes, openai_routes, responses_routes, tokenizer_routes, websocket_routes
+from . import admin_routes, generate_routes, openai_routes, responses_routes, tokenizer_routes, websocket_routes
 from .errors import install_error_handlers
 from .logprobs import TokenText
 from .metrics import CONTENT_TYPE, Metrics
@@ -107,6 +107,7 @@ def create_app(service: GenerateService, settings: ServerSettings,
     app.include_router(generate_routes.router)
     app.include_router(websocket_routes.router)
     app.include_router(tokenizer_routes.router)
+    app.include_router(admin_routes.router)
 
     # Added innermost first: RequestContext sees every response, errors from the others included.
     app.add_middleware(JsonBodies)

@@ -71,7 +71,21 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
                 request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
 
 
-class GrpcFront:
+class HealthReporting:
+    """What a gRPC server of Kiln's (`server`, `health`, `service_names`) says of its health, and its stop."""
+
+    async def set_serving(self, serving: bool) -> None:
+        """SERVING while requests may come (the model loaded), NOT_SERVING while loading or draining."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace)
+
+
+class GrpcFront(HealthReporting):
     """The gRPC server beside the HTTP one: started once the app starts, stopped as it drains."""
 
     def __init__(self, service: GenerateService, settings: ServerSettings):
@@ -89,19 +103,10 @@ class GrpcFront:
         reflection.enable_server_reflection(names, self.server)
         self.service_names = names[:2]
         self.address = f"{settings.host}:{settings.grpc_port}"
-        if not self.server.add_insecure_port(self.address):
+        self.port = self.server.add_insecure_port(self.address)  # the one chosen, for port 0
+        if not self.port:
             raise OSError(f"cannot listen for gRPC on {self.address}")
 
     async def start(self) -> None:
         await self.server.start()
         log.info("gRPC on %s: %s", self.address, ", ".join(self.service_names))
-
-    async def set_serving(self, serving: bool) -> None:
-        """Health: SERVING once the model is loaded, NOT_SERVING while loading or draining."""
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", *self.service_names):
-            await self.health.set(name, status)
-
-    async def stop(self, grace: float) -> None:
-        await self.set_serving(False)
-        await self.server.stop(grace)

@@ -62,6 +62,8 @@ class ServiceCollector(Collector):
             yield from diffusion_metrics(stats)
         if stats.speculation is not None:
             yield from speculative_metrics(stats.speculation)
+        if stats.host_pages_total:
+            yield from host_tier_metrics(stats)
         yield from vllm_metrics(stats)
 
 
@@ -79,6 +81,33 @@ def vllm_metrics(stats):
                               value=stats.prompt_tokens)
     yield CounterMetricFamily("vllm:prefix_cache_hits", "prompt tokens found in the prefix cache",
                               value=stats.prefix_hit_tokens)
+
+
+def host_tier_metrics(stats):
+    """The host KV tier (and the disk tier under it): its pages, the prompt tokens each tier
+    served (and those computed), the bytes copied each way, the disk's pages."""
+    yield GaugeMetricFamily("kiln_kv_host_pages_capacity", "host KV tier pages", value=stats.host_pages_total)
+    yield GaugeMetricFamily("kiln_kv_host_pages_used", "host KV tier pages holding a page's K/V",
+                            value=stats.host_pages_used)
+    tiers = CounterMetricFamily("kiln_prefix_cache_tier_tokens", "prompt tokens by where their K/V came from: "
+                                "device pages, copied back from host memory, or computed (miss)", labels=["tier"])
+    device = stats.prefix_hit_tokens - stats.host_hit_tokens - stats.disk_hit_tokens
+    tiers.add_metric(["device"], device)
+    tiers.add_metric(["host"], stats.host_hit_tokens)
+    tiers.add_metric(["disk"], stats.disk_hit_tokens)
+    tiers.add_metric(["miss"], max(0, stats.prompt_tokens - stats.prefix_hit_tokens))
+    yield tiers
+    if stats.disk_pages:
+        disk = CounterMetricFamily("kiln_kv_disk_pages", "disk KV tier pages written, read back, and refused "
+                                   "(files that did not check out)", labels=["event"])
+        for event, count in stats.disk_pages.items():
+            disk.add_metric([event], count)
+        yield disk
+    copied = CounterMetricFamily("kiln_kv_copied_bytes", "KV bytes copied between the device and the host tier",
+                                 labels=["direction"])
+    copied.add_metric(["to_host"], stats.bytes_to_host)
+    copied.add_metric(["to_device"], stats.bytes_to_device)
+    yield copied
 
 
 def diffusion_metrics(stats):

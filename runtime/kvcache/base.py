@@ -35,7 +35,11 @@ class CacheStats:
     free: int  # in the pool, never allocated or released
     cached: int  # held only by the prefix cache: evictable
     active: int  # referenced by sequences in flight
-    hit_tokens: int = 0  # prefix tokens served from the cache, since start
+    hit_tokens: int = 0  # prefix tokens served from device pages, since start
+    host_total: int = 0  # the host tier's slots (0: no host tier)
+    host_used: int = 0  # slots holding a page's copy
+    host_hit_tokens: int = 0  # prefix tokens copied back from the host tier instead of computed
+    disk_hit_tokens: int = 0  # prefix tokens read back from the disk tier instead of computed
 
 
 class BasePagedAttentionCache(ABC):

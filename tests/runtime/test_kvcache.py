@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from kiln.runtime.kvcache.base import PageAllocation
+from kiln.runtime.kvcache.host_tier import HostKvTier
 from kiln.runtime.kvcache.page_pool import PagePool
 from kiln.runtime.kvcache.plain_cache import PlainPagedAttentionCache
 from kiln.runtime.kvcache.trie_cache import TriePagedAttentionCache
@@ -342,28 +344,43 @@ def test_extend_evicts_cached_pages(trie):
 # --- randomized stress ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["plain", "trie"])
+HOST_SLOTS = 24
+
+
+def make_host_cache(write_policy: str, slots: int = HOST_SLOTS) -> TriePagedAttentionCache:
+    """A trie over PAGE_COUNT device pages with a host tier; a page's 'K/V' is its tokens."""
+    return TriePagedAttentionCache(PagePool(PAGE_COUNT), STRIDE, HostKvTier(slots, STRIDE, np.int64, write_policy))
+
+
+@pytest.mark.parametrize("kind", ["plain", "trie", "write_through", "write_back"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_operations_keep_the_accounting_and_the_contents_right(kind, seed):
     """Random requests over a few shared prefixes, with a model of what each page holds.
 
     Besides the page accounting, this checks what prefix sharing must never get wrong:
-    a cache hit serves pages holding exactly the prompt's tokens, and a sequence only
+    a cache hit serves pages holding exactly the prompt's tokens (copied back from the host
+    tier, where there is one, as the batcher copies: between steps), and a sequence only
     ever writes into pages no one else is using.
     """
     rng = random.Random(seed)
-    cache = make_cache(kind)
+    cache = make_cache(kind) if kind in ("plain", "trie") else make_host_cache(kind)
+    host = getattr(cache, "host", None)
     pool = cache.page_pool
-    prefixes = [[rng.randrange(6) for _ in range(16)] for _ in range(3)]
-    page_contents: dict[int, list[int | None]] = {}  # page -> token whose K/V each slot holds
+    prefixes = [[rng.randrange(6) for _ in range(16)] for _ in range(4 if host else 3)]
+    device = np.full((PAGE_COUNT, STRIDE), -1, dtype=np.int64)  # the token whose K/V each slot holds
     live: list[tuple[PageAllocation, list[int], list[int]]] = []  # (allocation, tokens, [written count])
     expected_hits = 0
 
+    def between_steps() -> None:
+        if host is not None:
+            host.flush(device)
+
     def write_pending(allocation: PageAllocation, tokens: list[int], written: list[int]) -> None:
+        between_steps()
         for position in range(written[0], len(tokens)):
             page = allocation.pages[position // STRIDE]
             assert pool.refcounts[page] == 1, f"write into page {page}, which is shared"
-            page_contents.setdefault(page, [None] * STRIDE)[position % STRIDE] = tokens[position]
+            device[page, position % STRIDE] = tokens[position]
         written[0] = len(tokens)
 
     for _ in range(2000):
@@ -374,11 +391,12 @@ def test_random_operations_keep_the_accounting_and_the_contents_right(kind, seed
             extra = rng.randrange(5)
             allocation = cache.acquire_pages_for_tokens(tokens, extra_token_slots=extra)
             if allocation is not None:
+                between_steps()
                 assert len(allocation.pages) == cache.pages_for(len(tokens) + extra)
                 assert allocation.cached_tokens % STRIDE == 0 and allocation.cached_tokens < len(tokens)
                 for position in range(allocation.cached_tokens):
                     page = allocation.pages[position // STRIDE]
-                    assert page_contents[page][position % STRIDE] == tokens[position], "a hit served wrong K/V"
+                    assert device[page, position % STRIDE] == tokens[position], "a hit served wrong K/V"
                 expected_hits += allocation.cached_tokens
                 live.append((allocation, tokens, [allocation.cached_tokens]))
         elif op < 0.65:  # one model step: write what is pending, then sample a token
@@ -397,15 +415,56 @@ def test_random_operations_keep_the_accounting_and_the_contents_right(kind, seed
         cache.check_integrity()
         stats = cache.stats()
         assert stats.free + stats.cached + stats.active == stats.total
-        assert stats.hit_tokens == expected_hits
+        assert stats.hit_tokens + stats.host_hit_tokens == expected_hits
 
     for allocation, _, _ in live:
         cache.free_cache_pages(allocation)
     if isinstance(cache, TriePagedAttentionCache):
         assert expected_hits > 0, "the stress run never hit the cache: it tests too little"
         cache.evict_all_unreferenced()
+    if host is not None:
+        assert cache.stats().host_hit_tokens > 0, "the host tier never served a page: it tests too little"
+        assert host.counters.pages_to_device > 0 and host.counters.bytes_to_host > 0
     cache.check_integrity()
     assert cache.stats().free == USABLE
+
+
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+def test_an_evicted_prefix_comes_back_from_host_memory(write_policy):
+    cache = make_host_cache(write_policy)
+    device = np.zeros((PAGE_COUNT, STRIDE), dtype=np.int64)
+    prompt = list(range(1, 13))  # three pages
+    first = cache.acquire_pages_for_tokens(prompt)
+    device[first.pages] = np.array(prompt).reshape(3, STRIDE)
+    cache.publish_allocated_pages(first, prompt)
+    cache.free_cache_pages(first)
+    cache.host.flush(device)
+    assert cache.host.counters.pages_to_host == (3 if write_policy == "write_through" else 0)
+    assert cache.evict_all_unreferenced() == 3
+    cache.host.flush(device)
+    device[:] = 0  # whatever the device pages held is gone
+    assert cache.stats().host_used == 3 and cache.stats().cached == 0
+    again = cache.acquire_pages_for_tokens(prompt + [13])
+    assert again.cached_tokens == 12 and cache.stats().host_hit_tokens == 12
+    cache.host.flush(device)
+    assert device[again.pages[:3]].ravel().tolist() == prompt
+    cache.free_cache_pages(again)
+    cache.check_integrity()
+
+
+def test_a_full_host_tier_reclaims_its_least_recently_used_pages():
+    cache = make_host_cache("write_back", slots=4)
+    for base in (100, 200, 300):  # three prefixes of two pages: the third pushes the first out
+        prompt = list(range(base, base + 8))
+        allocation = cache.acquire_pages_for_tokens(prompt)
+        cache.publish_allocated_pages(allocation, prompt)
+        cache.free_cache_pages(allocation)
+        cache.evict_all_unreferenced()
+        cache.check_integrity()
+    assert cache.stats().host_used == 4
+    assert cache.acquire_pages_for_tokens(list(range(100, 109))).cached_tokens == 0
+    assert cache.acquire_pages_for_tokens(list(range(300, 309))).cached_tokens == 8
+    cache.check_integrity()
 
 
 def test_kv_events_report_pages_stored_and_evicted(trie):
