@@ -11,6 +11,7 @@ generation on the replica.
 # No `from __future__ import annotations`: FastAPI reads the route's annotations as types.
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -39,16 +40,26 @@ FRONT_NAME = "KilnFront"
 HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection", b"date", b"server"}
 
 
+def task_topology_flag(threads: int, local_rank: int | None) -> str:
+    """One IREE task worker per core of this replica's share, on cores of its own: IREE pins each
+    worker to a core, and replicas left to choose would all take the first ones."""
+    if local_rank is None:
+        return f"--task_topology_max_group_count={threads}"
+    cores = os.cpu_count() or 1
+    return "--task_topology_cpu_ids=" + ",".join(str((local_rank * threads + i) % cores) for i in range(threads))
+
+
 class KilnEngine:
     """One engine replica: the Kiln app, loaded before Ray sends it anything."""
 
     async def __init__(self, service_config: ServiceConfig, settings: ServerSettings, threads: int = 0):
-        if threads:  # before the first device is created: one task worker per core of this replica's share
+        context = serve.get_replica_context()
+        if threads:  # before the first device is created
             from iree.runtime import flags
 
-            flags.parse_flags(f"--task_topology_max_group_count={threads}")
+            flags.parse_flags(task_topology_flag(threads, getattr(context.rank, "local_rank", None)))
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        self.replica_id = serve.get_replica_context().replica_id.unique_id.encode()
+        self.replica_id = context.replica_id.unique_id.encode()
         self.service = GenerateService(service_config)
         self.sockets: dict[str, asyncio.Queue] = {}  # open WebSocket sessions: the client's messages
         self.app = create_app(self.service, settings)

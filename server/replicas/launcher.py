@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import threading
 from dataclasses import dataclass, field
 
@@ -80,6 +81,8 @@ def build_application(service_config: ServiceConfig, settings: ServerSettings, c
             request_routing_stats_period_s=1.0),
         health_check_period_s=5.0,
         graceful_shutdown_timeout_s=settings.grace_seconds + 5,
+        # A model that does not load will not load on a retry either: say so soon.
+        max_constructor_retry_count=1,
     )
     front = serve.deployment(KilnFront, name=FRONT_NAME, num_replicas=1, ray_actor_options={"num_cpus": 0},
                              max_ongoing_requests=settings.max_connections)
@@ -105,9 +108,15 @@ def serve_data_parallel(service_config: ServiceConfig, settings: ServerSettings,
     if settings.kv_events_endpoint:
         raise SystemExit("kiln serve: --kv-events-endpoint is per server: with --data-parallel the front "
                          "routes by prefix itself")
+    for port in (settings.port, settings.grpc_port):
+        if port is not None and not _free(settings.host, port):
+            raise SystemExit(f"kiln serve: {settings.host}:{port} is already in use")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # Ray would report usage over the network
-    ray.init(address=config.ray_address, include_dashboard=False, logging_level=log_level.upper(),
-             log_to_driver=True)
+    try:
+        ray.init(address=config.ray_address, include_dashboard=False, logging_level=log_level.upper(),
+                 log_to_driver=True)
+    except (ConnectionError, RuntimeError, ValueError) as error:
+        raise SystemExit(f"kiln serve: cannot start or join Ray ({config.ray_address or 'here'}): {error}") from None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs handlers of its own
         signal.signal(sig, lambda *_: stop.set())
@@ -129,6 +138,17 @@ def serve_data_parallel(service_config: ServiceConfig, settings: ServerSettings,
         return 1
     finally:
         ray.shutdown()
+
+
+def _free(host: str, port: int) -> bool:
+    """Whether nothing listens on host:port now (Ray's proxy would fail on it later, less clearly)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no obstacle
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _replicas_text(config: DataParallelConfig) -> str:

@@ -70,6 +70,14 @@ def start_replicas(start_server, artifacts, routing: str) -> ServerProcess:
     return server
 
 
+def test_replicas_that_cannot_load_the_model_end_the_server_with_the_reason(start_server, tiny_artifacts):
+    """First in this module: its Ray comes and goes before the others start theirs."""
+    server = start_server("--artifacts", tiny_artifacts, "--data-parallel", "2", "--replica-cpus", "1",
+                          "--host-kv-size", "10", ready=False)
+    assert server.process.wait(180) == 1
+    assert "holds no page" in server.log()
+
+
 @pytest.fixture(scope="module")
 def single(start_server, tiny_artifacts) -> ServerProcess:
     return start_server("--artifacts", tiny_artifacts, "--served-model-name", "tiny", "--kv-cache-pages", PAGES,

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+
 import pytest
 
 from kiln.cli.main import build_parser
@@ -31,3 +35,26 @@ def test_the_command_line_reads_the_bounds(capsys):
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", "--autoscale", bad])
         assert "--autoscale" in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+def test_a_port_in_use_is_said_before_ray_starts(tiny_artifacts):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "kiln.cli.main", "serve", "--artifacts", str(tiny_artifacts),
+                               "--data-parallel", "2", "--port", str(port)],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and f"127.0.0.1:{port} is already in use" in done.stderr
+    assert "Started a local Ray instance" not in done.stderr
+
+
+def test_each_replica_pins_its_task_workers_to_cores_of_its_own(monkeypatch):
+    from kiln.server.replicas import deployments
+
+    monkeypatch.setattr(deployments.os, "cpu_count", lambda: 4)
+    flag = deployments.task_topology_flag
+    assert [flag(1, rank) for rank in range(2)] == ["--task_topology_cpu_ids=0", "--task_topology_cpu_ids=1"]
+    assert flag(2, 1) == "--task_topology_cpu_ids=2,3" and flag(2, 2) == "--task_topology_cpu_ids=0,1"
+    assert flag(2, None) == "--task_topology_max_group_count=2"  # no rank known: IREE chooses
