@@ -107,6 +107,7 @@ class KvTiers:
         if self.disk is not None:
             stats["disk_pages"] = {"written": self.disk.pages_written, "read": self.disk.pages_read,
                                    "refused": self.disk.pages_refused}
+            stats["disk_pages_stored"] = self.disk.pages_stored
         return stats
 
     async def close(self) -> None:

@@ -80,6 +80,7 @@ class ServiceStats:
     # The disk tier (zeros when off): the hits it served, its pages written, read and refused.
     disk_hit_tokens: int = 0
     disk_pages: dict = field(default_factory=dict)
+    disk_pages_stored: int = 0  # page files of this model in the directory
 
 
 class GenerateService:

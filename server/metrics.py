@@ -103,6 +103,8 @@ def host_tier_metrics(stats):
         for event, count in stats.disk_pages.items():
             disk.add_metric([event], count)
         yield disk
+        yield GaugeMetricFamily("kiln_kv_disk_pages_stored", "disk KV tier pages of this model in its directory",
+                                value=stats.disk_pages_stored)
     copied = CounterMetricFamily("kiln_kv_copied_bytes", "KV bytes copied between the device and the host tier",
                                  labels=["direction"])
     copied.add_metric(["to_host"], stats.bytes_to_host)

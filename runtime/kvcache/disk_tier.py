@@ -63,6 +63,7 @@ class DiskKvStore:
         self.pages_written = 0
         self.pages_read = 0
         self.pages_refused = 0
+        self.pages_stored = sum(1 for _ in self.directory.glob("*.kvpage"))  # files of this model, kept
 
     def path(self, block_hash: int) -> Path:
         return self.directory / f"{block_hash & (2**64 - 1):016x}.kvpage"
@@ -87,6 +88,7 @@ class DiskKvStore:
         temporary.write_bytes(head + body + digest + payload)
         temporary.replace(path)
         self.pages_written += 1
+        self.pages_stored += 1
         return True
 
     def wait_for_writes(self) -> None:
@@ -135,5 +137,7 @@ class DiskKvStore:
         """Never served: removed, so the page is saved afresh once it is computed again."""
         self.pages_refused += 1
         log.warning("ignoring KV cache file %s: %s", path, why)
-        path.unlink(missing_ok=True)
+        if path.is_file():
+            path.unlink(missing_ok=True)
+            self.pages_stored -= 1
         return None

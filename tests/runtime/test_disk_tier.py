@@ -31,6 +31,7 @@ def test_a_page_file_reads_back_as_written(tmp_path):
     data = np.arange(ELEMS, dtype=np.float32)
     assert disk.save(first, data).result() and disk.save(second, data + 1).result()
     assert not disk.save(first, data * 0).result()  # written once
+    assert disk.pages_stored == 2 and store(tmp_path).pages_stored == 2  # counted again on opening
     found = disk.read_run([first, second])
     assert [d.tolist() for d in found] == [data.tolist(), (data + 1).tolist()]
     disk.close()
@@ -58,6 +59,7 @@ def test_a_file_that_does_not_check_out_is_ignored_with_a_warning(tmp_path, capl
     with caplog.at_level(logging.WARNING, logger="kiln.kvcache"):
         found = disk.read_run([first, second])
     assert len(found) == 1 and disk.pages_refused == 1  # the prefix stops where the bad page is
+    assert not path.exists() and disk.pages_stored == 1  # removed: saved afresh when computed again
     assert "ignoring KV cache file" in caplog.text
 
 

@@ -49,6 +49,7 @@ def test_a_restarted_server_serves_a_known_prefix_from_disk(serve_on, caplog):
     assert warm == {"text": cold["text"], "cached": CACHED}  # only the new tokens prefilled, same tokens out
     assert second.metric('kiln_prefix_cache_tier_tokens_total{tier="disk"}') == CACHED
     assert second.metric('kiln_kv_disk_pages_total{event="read"}') == CACHED // STRIDE
+    assert second.metric("kiln_kv_disk_pages_stored") == len(PROMPT) // STRIDE  # the first server's, found
     assert second.stop() == 0
 
     # A damaged first page: nothing of the prefix is served from disk, and the log says why.
@@ -61,6 +62,7 @@ def test_a_restarted_server_serves_a_known_prefix_from_disk(serve_on, caplog):
     assert complete(third) == {"text": cold["text"], "cached": 0}
     assert "ignoring KV cache file" in third.log() and "corrupt" in third.log()
     assert third.metric('kiln_kv_disk_pages_total{event="refused"}') == 1
+    assert third.metric("kiln_kv_disk_pages_stored") == len(PROMPT) // STRIDE  # the bad one removed, then saved again
 
     # Saved again by hand (the page was recomputed and is cached now), restored by hand after a restart.
     path.unlink()
