@@ -69,6 +69,8 @@ def build_application(service_config: ServiceConfig, settings: ServerSettings, c
 
     artifacts = service_config.artifacts
     params, _ = load_model_config(artifacts.config)
+    # The router's record of a replica's pages is bounded as the replica's cache is, host tier included.
+    routing = dataclasses.replace(config.routing, pages_per_replica=replica_pages(service_config, params))
     cpus = config.cpus_per_replica()
     engine = serve.deployment(
         KilnEngine, name=ENGINE_NAME, **config.scaling(),
@@ -77,7 +79,7 @@ def build_application(service_config: ServiceConfig, settings: ServerSettings, c
         max_ongoing_requests=settings.max_connections,
         request_router_config=RequestRouterConfig(
             request_router_class=PrefixAffinityRouter,
-            request_router_kwargs=dataclasses.asdict(config.routing),
+            request_router_kwargs=dataclasses.asdict(routing),
             request_routing_stats_period_s=1.0),
         health_check_period_s=5.0,
         graceful_shutdown_timeout_s=settings.grace_seconds + 5,
@@ -95,6 +97,15 @@ def build_application(service_config: ServiceConfig, settings: ServerSettings, c
         settings, host="127.0.0.1", grpc_port=0)
     return front.bind(engine.bind(service_config, replica_settings, threads), keys, grpc_address,
                       settings.max_body_bytes)
+
+
+def replica_pages(service_config: ServiceConfig, params) -> int:
+    """How many pages one replica's prefix cache can hold: its device pages and its host tier's."""
+    pages = service_config.page_count or params.paged_kv_cache.device_block_count
+    if service_config.host_kv_bytes:
+        itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(params.paged_kv_cache.kv_cache_dtype, 4)
+        pages += service_config.host_kv_bytes // (params.page_elems * itemsize)
+    return pages
 
 
 def serve_data_parallel(service_config: ServiceConfig, settings: ServerSettings, config: DataParallelConfig,

@@ -60,6 +60,8 @@ class PrefixAffinityRouter(RequestRouter):
         # Recorded now, not once routed: a request with the same prefix chosen meanwhile goes there too.
         if pending_request is not None:
             self.matched[pending_request.metadata.internal_request_id] = self.table.matched_pages(chosen, hashes)
+            while len(self.matched) > PINNED_KEYS:  # requests cancelled before Ray routed them
+                self.matched.pop(next(iter(self.matched)))
         self.table.record(chosen, hashes)
         return [[by_id[chosen]]]
 

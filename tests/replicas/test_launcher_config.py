@@ -58,3 +58,16 @@ def test_each_replica_pins_its_task_workers_to_cores_of_its_own(monkeypatch):
     assert [flag(1, rank) for rank in range(2)] == ["--task_topology_cpu_ids=0", "--task_topology_cpu_ids=1"]
     assert flag(2, 1) == "--task_topology_cpu_ids=2,3" and flag(2, 2) == "--task_topology_cpu_ids=0,1"
     assert flag(2, None) == "--task_topology_max_group_count=2"  # no rank known: IREE chooses
+
+
+def test_the_routers_record_of_a_replica_is_bounded_like_its_cache():
+    from kiln.runtime.config import ModelParams, PagedKVCacheParams
+    from kiln.runtime.service_config import ServiceConfig
+    from kiln.server.replicas.launcher import replica_pages
+
+    params = ModelParams(max_seq_len=256, transformer_block_count=2, attn_head_dim=8, prefill_batch_sizes=[1],
+                         decode_batch_sizes=[1], paged_kv_cache=PagedKVCacheParams(16, 4, 64, "float32"))
+    page_bytes = params.page_elems * 4
+    assert replica_pages(ServiceConfig(), params) == 64  # the export's device_block_count
+    assert replica_pages(ServiceConfig(page_count=40), params) == 40
+    assert replica_pages(ServiceConfig(page_count=40, host_kv_bytes=100 * page_bytes + 1), params) == 140
