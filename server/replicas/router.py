@@ -30,6 +30,7 @@ class PrefixAffinityRouter(RequestRouter):
         self.policy = RoutingPolicy(**policy)
         self.table = PrefixTable(self.policy.pages_per_replica)
         self.turn = 0
+        self.last_loads: dict[ReplicaID, int] = {}  # each replica's latest known ongoing requests
         self.pinned: collections.OrderedDict[str, ReplicaID] = collections.OrderedDict()  # key -> its replica
         self.matched: dict[str, int] = {}  # request -> pages its replica held when chosen, until routed
         self.routed: collections.Counter[str] = collections.Counter()  # requests per replica
@@ -52,8 +53,6 @@ class PrefixAffinityRouter(RequestRouter):
         if pinned in by_id:  # where the request it follows went, even when that replica is busy
             return [[by_id[pinned]]]
         loads = await self._loads(candidate_replicas)
-        if not loads:
-            return [candidate_replicas]
         hashes = list(hint.page_hashes)
         chosen = choose(self.policy, self.table, hashes, loads, self.turn)[0]
         self.turn += 1
@@ -66,7 +65,9 @@ class PrefixAffinityRouter(RequestRouter):
         return [[by_id[chosen]]]
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[ReplicaID, int]:
-        """Each replica's ongoing requests: Ray's cached count, probed where it has none."""
+        """Each replica's ongoing requests: Ray's cached count, probed where it has none, and the
+        last one known where a probe went unanswered (a busy replica answers late; it is still the
+        one holding its prefixes, and Ray will not send it more than it has room for)."""
         loads, unknown = {}, []
         for replica in replicas:
             queued = self._replica_queue_len_cache.get(replica.replica_id)
@@ -78,6 +79,9 @@ class PrefixAffinityRouter(RequestRouter):
             for replica, queued in await self._probe_queue_lens(unknown, 0):
                 if queued is not None:
                     loads[replica.replica_id] = queued
+        for replica in replicas:
+            loads.setdefault(replica.replica_id, self.last_loads.get(replica.replica_id, 0))
+        self.last_loads.update(loads)
         return loads
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
@@ -104,6 +108,7 @@ class PrefixAffinityRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.table.remove_replica(replica_id)
+        self.last_loads.pop(replica_id, None)
 
 
 def _hint(pending_request: Optional[PendingRequest]) -> RouteHint:
