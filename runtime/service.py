@@ -61,7 +61,7 @@ class ServiceStats:
     pages_free: int
     pages_cached: int
     pages_active: int
-    prefix_hit_tokens: int  # not computed: found on the device or copied back from the host tier
+    prefix_hit_tokens: int  # not computed: found on the device, or copied back from the host or disk tier
     prompt_tokens: int
     generated_tokens: int
     preemptions: int

@@ -27,6 +27,19 @@ def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
     return struct.unpack("<q", digest)[0]
 
 
+def chained_pages(tokens: list[int], page_tokens: int, first: int = 0, end: int | None = None,
+                  parent: int | None = None) -> list[tuple[int, int | None, tuple[int, ...]]]:
+    """(block hash, parent's hash, tokens) of `tokens`' whole pages `first`..`end` (all by
+    default), chained from `parent`, the hash of the page before `first` (None: the start)."""
+    end = len(tokens) // page_tokens if end is None else end
+    pages = []
+    for index in range(first, end):
+        key = tuple(tokens[index * page_tokens : (index + 1) * page_tokens])
+        pages.append((block_hash(parent, key), parent, key))
+        parent = pages[-1][0]
+    return pages
+
+
 @dataclass(frozen=True)
 class BlockStored:
     block_hash: int

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from .base import BasePagedAttentionCache, CacheStats, PageAllocation
 from .disk_tier import DiskKvStore, DiskPage
-from .events import BlockStored, BlocksRemoved, block_hash
+from .events import BlockStored, BlocksRemoved, block_hash, chained_pages
 from .host_tier import HostKvTier
 from .page_pool import PagePool
 
@@ -365,13 +365,8 @@ class TriePagedAttentionCache(BasePagedAttentionCache):
             if child is None:
                 break
             node, depth = child, depth + 1
-        pages, parent_hash = [], node.block_hash
-        for index in range(depth, matchable_pages):
-            key = tuple(tokens[index * stride : (index + 1) * stride])
-            page = DiskPage(block_hash(parent_hash, key), parent_hash, key)
-            pages.append(page)
-            parent_hash = page.block_hash
-        return node, pages
+        return node, [DiskPage(*page) for page in chained_pages(tokens, stride, depth, matchable_pages,
+                                                                node.block_hash)]
 
     def insert_from_disk(self, parent: TrieNode, pages: list[DiskPage], data: list) -> int:
         """Pages read from disk become host-only nodes under `parent` (their K/V filled into host
@@ -419,12 +414,7 @@ class TriePagedAttentionCache(BasePagedAttentionCache):
 
     def disk_pages_of(self, tokens: list[int]) -> list[DiskPage]:
         """The files `tokens`' full pages are (or would be) saved as."""
-        stride, pages, parent = self.block_seq_stride, [], None
-        for index in range(len(tokens) // stride):
-            key = tuple(tokens[index * stride : (index + 1) * stride])
-            pages.append(DiskPage(block_hash(parent, key), parent, key))
-            parent = pages[-1].block_hash
-        return pages
+        return [DiskPage(*page) for page in chained_pages(tokens, self.block_seq_stride)]
 
     def disk_pages(self, copied: list[tuple[TrieNode, int]]) -> list[tuple[DiskPage, int]]:
         """Of the host copies a flush just made, those still a node's: each page to save and its slot."""

@@ -18,7 +18,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from kiln.runtime.chat import render_chat_template
-from kiln.runtime.kvcache.events import block_hash
+from kiln.runtime.kvcache.events import chained_pages
 
 from .prefix_table import RouteHint
 
@@ -32,11 +32,7 @@ VLLM_GENERATE = "/vllm.grpc.engine.VllmEngine/Generate"
 
 def page_hashes(token_ids: list[int], page_tokens: int) -> list[int]:
     """The chained hash of each whole page of `token_ids` (a partial last page is never shared)."""
-    hashes, parent = [], None
-    for start in range(0, len(token_ids) - page_tokens + 1, page_tokens):
-        parent = block_hash(parent, tuple(token_ids[start:start + page_tokens]))
-        hashes.append(parent)
-    return hashes
+    return [page_hash for page_hash, _, _ in chained_pages(token_ids, page_tokens)]
 
 
 @dataclass(frozen=True)
