@@ -9,8 +9,10 @@ from pathlib import Path
 
 from kiln.export.options import LOGITS_NORMALIZATIONS, ExportOptions
 from kiln.runtime.config import DTYPES
-from kiln.runtime.errors import ExportError
 from kiln.runtime.contract import CONFIG_FILE, PARAMETERS_FILE, TARGETS, TOKENIZER_FILE, vmfb_file
+from kiln.runtime.errors import ExportError
+
+from .model_args import positive_int
 
 
 def _log(line: str) -> None:
@@ -24,16 +26,6 @@ def _batch_sizes(text: str) -> list[int]:
         return parse_batch_sizes(text)
     except ExportError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def add_export_options(parser: argparse.ArgumentParser) -> None:
@@ -50,19 +42,23 @@ def add_export_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--denoise-top", action="store_true",
                         help="a diffusion LM also exports denoise_top_bs<N> (per-position greedy summaries instead "
                         "of [N, T, V] logits), which greedy batches then call; far slower on the CPU today")
-    parser.add_argument("--block-seq-stride", type=_positive_int, default=defaults.block_seq_stride,
+    parser.add_argument("--block-seq-stride", type=positive_int, default=defaults.block_seq_stride,
                         help="tokens per KV-cache page (default: %(default)s)")
-    parser.add_argument("--device-block-count", type=_positive_int, default=defaults.device_block_count,
+    parser.add_argument("--device-block-count", type=positive_int, default=defaults.device_block_count,
                         help="default KV-cache pages (default: %(default)s)")
-    parser.add_argument("--max-seq-len", type=_positive_int, default=defaults.max_seq_len,
+    parser.add_argument("--max-seq-len", type=positive_int, default=defaults.max_seq_len,
                         help="longest sequence (default: model context, at most 8192)")
     parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
     parser.add_argument("--kv-cache-dtype", choices=DTYPES, default=defaults.kv_cache_dtype,
                         help="the KV cache's element type (default: --dtype); float16 halves its bytes")
     parser.add_argument("--prefill-final-logits", action="store_true", help="prefill returns only each row's last logits")
-    parser.add_argument("--top-k", type=_positive_int, default=None, help="functions return top-k values and ids, not logits")
+    parser.add_argument("--top-k", type=positive_int, default=None, help="functions return top-k values and ids, not logits")
     parser.add_argument("--logits-normalization", choices=LOGITS_NORMALIZATIONS, default=defaults.logits_normalization)
     parser.add_argument("--no-prefill-position", action="store_true", help="export prefill without start positions (no prefix reuse)")
+    parser.add_argument("--tensor-parallel", type=positive_int, default=defaults.tensor_parallel,
+                        help="shard each layer's heads and MLP columns over this many devices")
+    parser.add_argument("--pipeline-parallel", type=positive_int, default=defaults.pipeline_parallel,
+                        help="split the layers into this many stages, one device (or tensor-parallel group) each")
     parser.add_argument(
         "--no-prefill-last", action="store_true",
         help="skip the prefill_last_bs<N> companions (prefill returning only last logits, the serving fast path)",
@@ -71,7 +67,7 @@ def add_export_options(parser: argparse.ArgumentParser) -> None:
 
 # Options whose flag names the ExportOptions field as it is (--block-seq-stride: block_seq_stride).
 _SAME_NAMED = ("block_seq_stride", "device_block_count", "max_seq_len", "dtype", "kv_cache_dtype",
-               "prefill_final_logits", "top_k", "logits_normalization")
+               "prefill_final_logits", "top_k", "logits_normalization", "tensor_parallel", "pipeline_parallel")
 
 
 def options_from_args(args) -> ExportOptions:

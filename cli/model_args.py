@@ -18,6 +18,16 @@ class ModelChoiceError(KilnError):
     """Conflicting or incomplete model arguments."""
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model (default: the bundled SmolLM2-135M-Instruct, built on first use)")
     group.add_argument("--artifacts", type=Path, help="a directory from `kiln build` / `kiln export-model` + compile")
@@ -30,14 +40,20 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with --model or the default model: the dtype to build")
     group.add_argument("--kv-cache-dtype", choices=DTYPES, default="",
                        help="with --model or the default model: the KV cache's element type (default: --dtype)")
+    group.add_argument("--tensor-parallel", "--tensor-parallel-size", type=positive_int, default=1,
+                       help="with --model or the default model: shard each layer over this many devices")
+    group.add_argument("--pipeline-parallel", "--pipeline-parallel-size", type=positive_int, default=1,
+                       help="with --model or the default model: split the layers over this many device stages")
     group.add_argument("--device", default="local-task", help="local-task (CPU), cuda, hip")
-    group.add_argument("--device-ids", default=None, help="device id(s), e.g. 0")
+    group.add_argument("--device-ids", default=None,
+                       help="device id(s), e.g. 0, or 0,1 for a tensor/pipeline-parallel export's devices")
 
 
 def device_name(args) -> str:
+    """The device URI, or a comma-separated list of them (one per id) for a multi-device export."""
     if args.device_ids:
-        first = str(args.device_ids).split(",")[0].strip()
-        return f"{args.device}://{first}"
+        ids = [part.strip() for part in str(args.device_ids).split(",") if part.strip()]
+        return ",".join(f"{args.device}://{device_id}" for device_id in ids)
     return args.device
 
 
@@ -67,5 +83,6 @@ def resolve_artifacts(args, log=lambda line: print(line, file=sys.stderr, flush=
         ) from None
     if not args.device.startswith("local"):
         raise ModelChoiceError("building on first use targets the CPU: pass --artifacts for GPU builds")
-    directory = build(args.model, default_build_options(args.dtype, args.kv_cache_dtype), ["cpu"], log=log)
+    options = default_build_options(args.dtype, args.kv_cache_dtype, args.tensor_parallel, args.pipeline_parallel)
+    directory = build(args.model, options, ["cpu"], log=log)
     return Artifacts.in_directory(directory, "cpu")

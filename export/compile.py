@@ -19,26 +19,33 @@ from pathlib import Path
 from kiln.runtime.contract import TARGETS
 from kiln.runtime.errors import ExportError
 
+from .placement import device_count
+
 DEFAULT_ARCH = {"cpu": "host", "cuda": "sm_80", "rocm": "gfx942"}
+DATA_TILING = "--iree-opt-data-tiling"
 
 
-def target_flags(target: str, arch: str | None = None) -> list[str]:
-    """iree-compile flags that select a device and a sensible code generation for it."""
+def target_flags(target: str, arch: str | None = None, devices: int = 1) -> list[str]:
+    """iree-compile flags that select a device (or `devices` of them: a multi-device export's
+    __device_0.. bound to ordinals 0.. of the target's driver) and a sensible code generation."""
     if target not in TARGETS:
         raise ExportError(f"unknown target {target!r}: choose one of {', '.join(TARGETS)}")
     arch = arch or DEFAULT_ARCH[target]
+    driver = {"cpu": "local", "cuda": "cuda", "rocm": "hip"}[target]
+    device_flags = ([f"--iree-hal-target-device={driver}"] if devices == 1
+                    else [f"--iree-hal-target-device={driver}[{ordinal}]" for ordinal in range(devices)])
     if target == "cpu":
         return [
-            "--iree-hal-target-device=local",
+            *device_flags,
             "--iree-hal-local-target-device-backends=llvm-cpu",
             f"--iree-llvmcpu-target-cpu={arch}",
             # Packs weights into the layouts the CPU's matmul kernels want: decode 2x
             # faster, prefill 1.5x on SmolLM2 here (benchmarks/NOTES.md).
-            "--iree-opt-data-tiling",
+            DATA_TILING,
         ]
     if target == "cuda":
-        return ["--iree-hal-target-device=cuda", f"--iree-cuda-target={arch}"]
-    return ["--iree-hal-target-device=hip", f"--iree-rocm-target={arch}"]
+        return [*device_flags, f"--iree-cuda-target={arch}"]
+    return [*device_flags, f"--iree-rocm-target={arch}"]
 
 
 def iree_compile_tool() -> str:
@@ -91,6 +98,51 @@ def mark_cache_imports_consumed(input_ir: str) -> tuple[str, int]:
         return str(module), marked
 
 
+def pin_arguments_to_first_device(input_ir: str) -> str:
+    """Give every argument import and write-back that names no device an explicit device 0.
+
+    A multi-device export leaves device 0's arguments unannotated (export/exporter.py's
+    device_affinities says why). On a deep tensor-parallel module IREE 3.13's affinity
+    analysis then fails to converge ("failed to solve for affinity analysis"); pinned, it
+    compiles, at the price of copying the cache buffers on every call.
+    """
+    from iree.compiler import ir
+
+    with ir.Context():
+        module = ir.Module.parse(input_ir)
+        first_device = ir.Attribute.parse("#hal.device.promise<@__device_0>")
+        for func in module.body.operations:
+            if func.operation.name != "util.func" or not func.regions:
+                continue
+            for block in func.regions[0].blocks:
+                for op in block.operations:
+                    if op.operation.name in ("hal.tensor.import", "hal.tensor.alias") and "affinity" not in op.attributes:
+                        op.attributes["affinity"] = first_device
+        return str(module)
+
+
+def compile_multi_device_fallbacks(compile_with, flags: list[str], input_ir: str, input_path: Path,
+                                   error: ExportError, log) -> None:
+    """Compile a multi-device module that failed with `flags`, working around IREE 3.13's limits:
+    its CPU data tiling fails on most multi-device modules ("set_encoding op encoding expects 2
+    dynamic encoding dimension(s)", "failed to determine resource affinity"), which compile
+    without it, with plain matmul code; and on a deep tensor-parallel module the affinity
+    analysis does not converge unless device 0's arguments are pinned."""
+    if DATA_TILING in flags:
+        flags = [flag for flag in flags if flag != DATA_TILING]
+        log(f"warning: {error}; compiling again without data tiling")
+        try:
+            return compile_with(flags)
+        except ExportError as retry_error:
+            error = retry_error
+    if "affinity analysis" not in str(error):
+        raise error
+    log(f"warning: {error}; compiling again with device 0's arguments pinned "
+        "(each call then copies the KV cache buffers)")
+    input_path.write_text(pin_arguments_to_first_device(input_ir))
+    compile_with(flags)
+
+
 def compile_vmfb(
     mlir_path: Path,
     output: Path,
@@ -101,7 +153,7 @@ def compile_vmfb(
 ) -> Path:
     """Compile model MLIR to a VMFB for `target`; returns the VMFB path."""
     mlir_path, output = Path(mlir_path), Path(output)
-    flags = target_flags(target, arch)
+    target_flags(target, arch)  # a bad target fails before the import's work
     if not mlir_path.is_file():
         raise ExportError(f"MLIR file {mlir_path} does not exist")
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -111,19 +163,32 @@ def compile_vmfb(
         scratch = Path(scratch)
         started = time.monotonic()
         run_iree_compile([str(mlir_path), "--compile-to=input", "-o", str(scratch / "input.mlir")], "importing the model")
-        text, marked = mark_cache_imports_consumed((scratch / "input.mlir").read_text())
+        input_ir = (scratch / "input.mlir").read_text()
+        devices = device_count(input_ir)
+        flags = target_flags(target, arch, devices)
+        text, marked = mark_cache_imports_consumed(input_ir)
         if marked == 0:
             log("warning: no written-back argument found; the KV cache will be copied on every call")
         (scratch / "consumed.mlir").write_text(text)
-        log(f"imported and marked {marked} cache argument(s) as consumed in {time.monotonic() - started:.1f}s")
+        log(f"imported and marked {marked} cache argument(s) as consumed in {time.monotonic() - started:.1f}s"
+            + (f"; {devices} devices" if devices > 1 else ""))
 
         started = time.monotonic()
         partial = output.with_name(output.name + ".partial")
-        try:
+
+        def compile_with(flags: list[str]) -> None:
             run_iree_compile(
                 [str(scratch / "consumed.mlir"), "--compile-from=input", *flags, *(extra_flags or []), "-o", str(partial)],
                 f"compiling for {target}",
             )
+
+        try:
+            try:
+                compile_with(flags)
+            except ExportError as error:
+                if devices == 1:
+                    raise
+                compile_multi_device_fallbacks(compile_with, flags, text, scratch / "consumed.mlir", error, log)
             partial.replace(output)
         finally:
             partial.unlink(missing_ok=True)

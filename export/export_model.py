@@ -21,6 +21,7 @@ from iree.turbine import aot
 
 from kiln.models.checkpoint import Checkpoint
 from kiln.models.llama import PagedLlama
+from kiln.models.sharded_llama import ShardedPagedLlama
 from kiln.runtime.config import KilnParams, ModelParams, PagedKVCacheParams, save_model_config, sidecar_path
 from kiln.runtime.contract import (
     CONFIG_FILE, DIFFUSION, MLIR_FILE, PARAMETER_SCOPE, PARAMETERS_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
@@ -83,6 +84,8 @@ def kiln_params(checkpoint: Checkpoint, options: ExportOptions) -> KilnParams:
         vocab_size=c.vocab_size,
         eos_token_ids=list(c.eos_token_ids),
         prefill_final_logits=options.prefill_final_logits,
+        tensor_parallel=options.tensor_parallel,
+        pipeline_parallel=options.pipeline_parallel,
     )
     if c.is_diffusion:
         kiln = replace(kiln, prefill_final_logits=False, model_kind=DIFFUSION,
@@ -91,19 +94,27 @@ def kiln_params(checkpoint: Checkpoint, options: ExportOptions) -> KilnParams:
     return kiln
 
 
-def build_model(checkpoint: Checkpoint, options: ExportOptions) -> PagedLlama:
+def build_model(checkpoint: Checkpoint, options: ExportOptions) -> PagedLlama | ShardedPagedLlama:
+    """The model to trace: one device's, or cut and placed over the options' device layout."""
     model = PagedLlama(checkpoint.config, block_seq_stride=options.block_seq_stride, gather_pages=gather_pages)
     try:
         model.load_tensors(checkpoint.tensors, dtype=TORCH_DTYPES[options.dtype])
     except (ValueError, RuntimeError) as error:
         raise ExportError(f"the checkpoint's tensors do not fit its config: {error}") from None
+    if options.layout.device_count > 1:
+        model = ShardedPagedLlama(model, options.layout)
     return model.eval()
 
 
 def export_model(checkpoint: Checkpoint, options: ExportOptions, output_dir: Path, log=print) -> ExportedModel:
     options = options.validate(checkpoint.config.max_position_embeddings)
-    if checkpoint.config.is_diffusion and options.top_k is not None:
+    c = checkpoint.config
+    if c.is_diffusion and options.top_k is not None:
         raise ExportError("--top-k does not apply to a diffusion LM: its sampler reads every masked position")
+    problem = options.layout.problem(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
+                                     c.intermediate_size)
+    if problem:
+        raise ExportError(problem)
     output_dir = Path(output_dir)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))

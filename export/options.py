@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kiln.runtime.config import DTYPES
+from kiln.runtime.device_layout import DeviceLayout
 from kiln.runtime.errors import ExportError
 
 LOGITS_NORMALIZATIONS = ("none", "softmax", "log_softmax")
@@ -40,6 +41,13 @@ class ExportOptions:
     logits_normalization: str = "none"
     # Prefill takes start positions: what prefix caching and chunked prefill need.
     has_prefill_position: bool = True
+    # Spread the model over tensor_parallel x pipeline_parallel devices (runtime/device_layout.py).
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+
+    @property
+    def layout(self) -> DeviceLayout:
+        return DeviceLayout(self.tensor_parallel, self.pipeline_parallel)
 
     @property
     def cache_dtype(self) -> str:

@@ -261,15 +261,30 @@ class PagedLlama(nn.Module):
         seq_len, the cached ones past the window included (Fast-dLLM's dual cache).
         """
         c = self.config
-        stride = self.block_seq_stride
-        layers, kv_heads, head_dim = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+        h = self.model.embed_tokens(tokens)
+        step = PagedStep.of(self, tokens, start_pos, seq_lens, seq_block_ids, h.dtype)
+        pages = CachePages(cache, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.block_seq_stride)
+        for index, layer in enumerate(self.model.layers):
+            h = h + pages.attend(layer.self_attn, index, layer.input_layernorm(h), step, self.gather_pages)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h
+
+
+class PagedStep:
+    """What every layer of one paged call shares: rotary tables, where each new token's K/V go,
+    and which cached keys each query may see. Tensors, so a multi-device export can move them."""
+
+    def __init__(self, cos, sin, write_page, write_slot, bias, seq_block_ids, stride: int):
+        self.cos, self.sin, self.write_page, self.write_slot = cos, sin, write_page, write_slot
+        self.bias, self.seq_block_ids, self.stride = bias, seq_block_ids, stride
+
+    @classmethod
+    def of(cls, model: "PagedLlama", tokens, start_pos, seq_lens, seq_block_ids, dtype) -> "PagedStep":
+        stride = model.block_seq_stride
         n, t = tokens.shape
         blocks = seq_block_ids.shape[1]
-
-        h = self.model.embed_tokens(tokens)
         positions = start_pos.unsqueeze(1) + torch.arange(t).unsqueeze(0)  # [N,T]
-        cos, sin = self.rotary(positions, h.dtype)
-
+        cos, sin = model.rotary(positions, dtype)
         # Where each new token's K/V goes: page, slot within the page.
         live = positions < seq_lens.unsqueeze(1)
         block_index = torch.clamp(positions // stride, max=blocks - 1)
@@ -280,35 +295,50 @@ class PagedLlama(nn.Module):
         # reach the attention matmul's data-tiled layout as i1, which IREE cannot pack.
         key_pos = torch.arange(blocks * stride).view(1, 1, -1)
         last_key = seq_lens.view(n, 1) - 1
-        last_visible = (torch.minimum(positions, last_key) if self.causal else last_key.expand(n, t)).unsqueeze(-1)
+        last_visible = (torch.minimum(positions, last_key) if model.causal else last_key.expand(n, t)).unsqueeze(-1)
         hidden = (key_pos - last_visible).clamp(0, 1)  # [N,T,B*stride]: 1 = may not look
         bias = (hidden.float() * MASKED_SCORE).unsqueeze(1)  # [N,1,T,B*stride]
+        return cls(cos, sin, write_page, write_slot, bias, seq_block_ids, stride)
 
-        # One head's page of a layer holds K transposed, [D, stride], and V as [stride, D].
-        # Pages are gathered whole (self.gather_pages). K^T pages laid side by side are the
-        # data-tiled layout of the scores matmul's right operand on llvm-cpu (16 keys per
-        # tile), so that gather is a plain page copy; stored as [stride, D], each page was
-        # transposed element by element on the way.
-        flat = cache.view(-1)
-        value_rows = cache.view(-1, head_dim)
-        key_pages = cache.view(-1, head_dim, stride)
-        value_pages = cache.view(-1, stride, head_dim)
-        head = torch.arange(kv_heads).view(1, kv_heads, 1)
-        key_dim_offset = (torch.arange(head_dim) * stride).view(1, 1, 1, head_dim)
-        slot = write_slot.unsqueeze(1)  # [N,1,T]
+    def moved(self, move) -> "PagedStep":
+        """The same step with every tensor passed through `move` (a transfer to a device)."""
+        return PagedStep(*(move(x) for x in (self.cos, self.sin, self.write_page, self.write_slot, self.bias,
+                                              self.seq_block_ids)), self.stride)
 
-        for index, layer in enumerate(self.model.layers):
-            attn = layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm(h), cos, sin)
-            key_page = ((write_page * layers + index) * 2).unsqueeze(1) * kv_heads + head  # [N,Hkv,T]
-            key_elems = (key_page * (head_dim * stride) + slot).unsqueeze(-1) + key_dim_offset
-            flat.index_put_((key_elems,), k.to(cache.dtype))  # one column of K^T per token
-            value_page = key_page + kv_heads
-            value_rows.index_put_((value_page * stride + slot,), v.to(cache.dtype))  # rows [N,Hkv,T]
-            # The K page of each (row, head, block); its V page follows kv_heads pages later.
-            read = ((seq_block_ids * layers + index) * 2).unsqueeze(1) * kv_heads + head  # [N,Hkv,B]
-            keys_t = self.gather_pages(key_pages, read).permute(0, 1, 3, 2, 4).reshape(n, kv_heads, head_dim, blocks * stride)
-            values = self.gather_pages(value_pages, read + kv_heads).view(n, kv_heads, blocks * stride, head_dim)
-            h = h + attn.attend_paged(q, keys_t, values, bias, stride)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return h
+
+class CachePages:
+    """One cache buffer's pages: `layers` layers of `kv_heads` heads each, in the page layout the
+    module docstring gives. One device's share of a multi-device export is the same layout over
+    its own layers and heads.
+
+    One head's page of a layer holds K transposed, [D, stride], and V as [stride, D]. Pages are
+    gathered whole. K^T pages laid side by side are the data-tiled layout of the scores matmul's
+    right operand on llvm-cpu (16 keys per tile), so that gather is a plain page copy; stored as
+    [stride, D], each page was transposed element by element on the way.
+    """
+
+    def __init__(self, cache: torch.Tensor, layers: int, kv_heads: int, head_dim: int, stride: int):
+        self.layers, self.kv_heads, self.head_dim, self.stride = layers, kv_heads, head_dim, stride
+        self.flat = cache.view(-1)
+        self.value_rows = cache.view(-1, head_dim)
+        self.key_pages = cache.view(-1, head_dim, stride)
+        self.value_pages = cache.view(-1, stride, head_dim)
+        self.head = torch.arange(kv_heads).view(1, kv_heads, 1)
+        self.key_dim_offset = (torch.arange(head_dim) * stride).view(1, 1, 1, head_dim)
+
+    def attend(self, attn: Attention, layer: int, x, step: PagedStep, gather_pages):
+        """attn's output for normalized input x, after writing its new K/V as layer `layer`."""
+        layers, kv_heads, head_dim, stride = self.layers, self.kv_heads, self.head_dim, self.stride
+        n, blocks = step.seq_block_ids.shape
+        q, k, v = attn.project(x, step.cos, step.sin)
+        slot = step.write_slot.unsqueeze(1)  # [N,1,T]
+        key_page = ((step.write_page * layers + layer) * 2).unsqueeze(1) * kv_heads + self.head  # [N,Hkv,T]
+        key_elems = (key_page * (head_dim * stride) + slot).unsqueeze(-1) + self.key_dim_offset
+        self.flat.index_put_((key_elems,), k.to(self.flat.dtype))  # one column of K^T per token
+        value_page = key_page + kv_heads
+        self.value_rows.index_put_((value_page * stride + slot,), v.to(self.flat.dtype))  # rows [N,Hkv,T]
+        # The K page of each (row, head, block); its V page follows kv_heads pages later.
+        read = ((step.seq_block_ids * layers + layer) * 2).unsqueeze(1) * kv_heads + self.head  # [N,Hkv,B]
+        keys_t = gather_pages(self.key_pages, read).permute(0, 1, 3, 2, 4).reshape(n, kv_heads, head_dim, blocks * stride)
+        values = gather_pages(self.value_pages, read + kv_heads).view(n, kv_heads, blocks * stride, head_dim)
+        return attn.attend_paged(q, keys_t, values, step.bias, stride)

@@ -93,6 +93,10 @@ class KilnParams:
     denoise_top: bool = False  # denoise_top_bs<N> beside each denoise_bs<N>
     mask_token_id: int | None = None
     logits_shift: int = 0
+    # Spread over tensor_parallel x pipeline_parallel devices (runtime/device_layout.py): the
+    # functions take one KV cache argument per device, each [pages, its page elements].
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
 
     FIELD_NAMES = ()  # filled below
 

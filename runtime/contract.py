@@ -68,6 +68,8 @@ def argument_names(kind: FunctionKind, has_prefill_position: bool) -> tuple[str,
     tokens [N, T] i64 (T a multiple of the stride for prefill, 1 for decode), start
     positions [N] i64, sequence lengths [N] i64, the block table [N, B] i64, the cache
     [pages, page_elems]. Without start positions, prefill writes each row from position 0.
+    A multi-device export (runtime/device_layout.py) takes the cache as one buffer per device,
+    in device order, where this lists one.
     Denoise takes prefill's arguments, with any T (a window need not fill whole pages).
     """
     if FunctionKind(kind) is FunctionKind.DECODE:

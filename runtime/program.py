@@ -13,11 +13,14 @@ from iree import runtime as ireert
 
 from .config import KilnParams, load_model_config
 from .contract import PARAMETER_SCOPE, Artifacts, Capabilities, ContractError, parse_function_name
+from .device_layout import DeviceLayout
+from .devices import ShardedKvCache, open_devices
 from .errors import ModelLoadError
 
 
 class Program:
-    """The compiled functions of one model on one device, its config and what it can do."""
+    """The compiled functions of one model on its device (or devices: a tensor/pipeline-parallel
+    export's, runtime/device_layout.py), its config and what it can do."""
 
     def __init__(self, artifacts: Artifacts, device: str = "local-task"):
         for label, path in (("VMFB", artifacts.vmfb), ("parameters", artifacts.params), ("config", artifacts.config)):
@@ -28,16 +31,15 @@ class Program:
         except (ValueError, TypeError, KeyError) as error:
             raise ModelLoadError(f"model config {artifacts.config} is invalid: {error}") from None
         self.kiln = kiln or KilnParams()
-        try:
-            self.device = ireert.get_device(device)
-        except Exception as error:  # iree raises plain ValueError/RuntimeError with long texts
-            raise ModelLoadError(f"cannot open device {device!r}: {str(error).splitlines()[0]}") from None
+        self.layout = DeviceLayout(self.kiln.tensor_parallel, self.kiln.pipeline_parallel)
+        self.devices = open_devices(device, self.layout.device_count)
+        self.device = self.devices[0]  # where the request's arrays go and the logits come from
         instance = ireert.VmInstance()
         try:
             index = ireert.ParameterIndex()
             index.load(str(artifacts.params))
             params_module = ireert.create_io_parameters_module(instance, index.create_provider(scope=PARAMETER_SCOPE))
-            hal_module = ireert.create_hal_module(instance, self.device)
+            hal_module = ireert.create_hal_module(instance, devices=self.devices)
             program_module = ireert.VmModule.mmap(instance, str(artifacts.vmfb))
             context = ireert.VmContext(instance, modules=[hal_module, params_module, program_module])
         except Exception as error:
@@ -61,18 +63,28 @@ class Program:
             return np.dtype(ml_dtypes.bfloat16)
         return np.dtype(name)
 
-    def allocate_cache(self, pages: int) -> ireert.DeviceArray:
-        """The KV cache as one device buffer, zeroed, allocated once."""
-        host = np.zeros((pages, self.params.page_elems), dtype=self.cache_dtype)
-        return ireert.asdevicearray(self.device, host)
+    def allocate_cache(self, pages: int) -> ireert.DeviceArray | ShardedKvCache:
+        """The KV cache, zeroed, allocated once: one device buffer, or one on each device."""
+        if self.layout.device_count == 1:
+            return ireert.asdevicearray(self.device, np.zeros((pages, self.params.page_elems), dtype=self.cache_dtype))
+        p = self.params
+        widths = self.layout.page_elems(p.transformer_block_count, p.paged_kv_cache.attention_head_count_kv,
+                                        p.block_seq_stride, p.attn_head_dim)
+        return ShardedKvCache([ireert.asdevicearray(device, np.zeros((pages, width), dtype=self.cache_dtype))
+                               for device, width in zip(self.devices, widths)])
+
+    @staticmethod
+    def _arguments(args) -> list:
+        """The call's arguments with a sharded cache spread into its buffers, in device order."""
+        return [part for arg in args for part in (arg.buffers if isinstance(arg, ShardedKvCache) else (arg,))]
 
     def call(self, name: str, *args) -> np.ndarray:
         """Call `name`; its one result as a live host view (valid until the next call)."""
-        return self.functions[name](*args).to_host()
+        return self.functions[name](*self._arguments(args)).to_host()
 
     def invoke(self, name: str, *args) -> list[np.ndarray]:
         """Call `name` and copy its results to host arrays."""
-        results = self.functions[name](*args)
+        results = self.functions[name](*self._arguments(args))
         if not isinstance(results, tuple):
             results = (results,)
         return [np.array(r.to_host(), copy=True) for r in results]

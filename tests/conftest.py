@@ -78,6 +78,18 @@ def tiny_gguf_artifacts(tiny_gguf, tmp_path_factory) -> Path:
     return _export_and_compile(tiny_gguf, tmp_path_factory.mktemp("tiny-gguf-artifacts"))
 
 
+@pytest.fixture(scope="session")
+def tiny_tp2_artifacts(tiny_hf_dir, tmp_path_factory) -> Path:
+    """The tiny model with each layer's heads and MLP columns over two devices."""
+    return _export_and_compile(tiny_hf_dir, tmp_path_factory.mktemp("tiny-tp2"), [*TINY_EXPORT_ARGS, "--tensor-parallel", "2"])
+
+
+@pytest.fixture(scope="session")
+def tiny_pp2_artifacts(tiny_hf_dir, tmp_path_factory) -> Path:
+    """The tiny model with its two layers on two devices, one each."""
+    return _export_and_compile(tiny_hf_dir, tmp_path_factory.mktemp("tiny-pp2"), [*TINY_EXPORT_ARGS, "--pipeline-parallel", "2"])
+
+
 # The diffusion LMs' export: denoise sizes 1 and 4 (guidance takes two rows), the greedy summaries
 # too (so both paths run), the tiny context.
 DIFFUSION_EXPORT_ARGS = ["--bs-denoise", "1,4", "--denoise-top", "--block-seq-stride", "16", "--max-seq-len", "256",

@@ -95,3 +95,13 @@ def test_compile_of_invalid_mlir(tmp_path):
     result = run_kiln("compile-vmfb", str(mlir), "--target", "cpu", "-o", str(out), check=False)
     assert_one_line_error(result, "iree-compile failed")
     assert not out.exists() and not list(tmp_path.glob("*.partial"))
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--tensor-parallel", "3"], "--tensor-parallel 3 does not divide the model's 2 key/value heads"),
+    (["--pipeline-parallel", "3"], "--pipeline-parallel 3 is more stages than the model's 2 layers"),
+    (["--tensor-parallel", "0"], "expected a positive integer"),
+])
+def test_a_device_layout_the_model_cannot_take(hf_dir, tmp_path, flags, needle):
+    assert_one_line_error(export(hf_dir, tmp_path / "out", *flags), needle)
+    assert_no_output(tmp_path / "out")

@@ -1,0 +1,54 @@
+"""The sharded model in eager torch: every layout gives PagedLlama's hidden states through the
+cache (prefill in two chunks, then decode), and its weights are the original's, cut."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.models.llama import PagedLlama
+from kiln.models.sharded_llama import ShardedPagedLlama
+from kiln.runtime.device_layout import DeviceLayout
+from tests.tiny_model import make_tiny_checkpoint
+
+
+def run(model, checkpoint_layout=None):
+    tokens = list(range(10, 31))
+    cache = model.allocate_cache(16)
+    table = torch.tensor([[3, 7, 2, 9]])
+    with torch.no_grad():
+        h1 = model.forward_paged(torch.tensor([tokens[:16]]), torch.tensor([0]), torch.tensor([16]), table[:, :2], cache)
+        rest = torch.tensor([tokens[16:20] + [0] * 4])
+        h2 = model.forward_paged(rest, torch.tensor([16]), torch.tensor([20]), table[:, :3], cache)
+        h3 = model.forward_paged(torch.tensor([[tokens[20]]]), torch.tensor([20]), torch.tensor([21]), table[:, :3], cache)
+        return torch.cat([model.logits(h1)[0], model.logits(h2)[0, :4], model.logits(h3)[0]])
+
+
+@pytest.mark.parametrize("tp,pp,overrides", [
+    (2, 1, {}), (1, 2, {}), (2, 2, {}),
+    (2, 1, {"architecture": "qwen2", "attention_bias": True}),  # biases cut with their rows
+    (1, 2, {"num_hidden_layers": 3}),  # uneven stages: layers 0-1, then 2
+    (2, 3, {"num_hidden_layers": 3}),
+])
+def test_every_layout_gives_the_one_device_logits(tp, pp, overrides):
+    checkpoint = make_tiny_checkpoint(seed=5, **overrides)
+
+    def fresh():
+        return PagedLlama(checkpoint.config, block_seq_stride=8).load_tensors(checkpoint.tensors).eval()
+
+    want = run(fresh())
+    sharded = ShardedPagedLlama(fresh(), DeviceLayout(tp, pp))
+    assert len(sharded.allocate_cache(4)) == tp * pp
+    got = run(sharded)
+    assert (got - want).abs().max() / want.abs().max() < 1e-5
+
+
+def test_the_weights_are_the_originals_cut_not_copied_twice():
+    checkpoint = make_tiny_checkpoint(seed=5)
+    whole = PagedLlama(checkpoint.config).load_tensors(checkpoint.tensors)
+    count = sum(p.numel() for p in whole.parameters())
+    sharded = ShardedPagedLlama(PagedLlama(checkpoint.config).load_tensors(checkpoint.tensors), DeviceLayout(2, 2))
+    assert sum(p.numel() for p in sharded.parameters()) == count
+    q = whole.model.layers[1].self_attn.q_proj.weight
+    rank1 = sharded.stages[1][0].attention[1].q_proj.weight
+    assert torch.equal(rank1, q[q.shape[0] // 2:])
