@@ -71,7 +71,8 @@ def test_logits_and_greedy_tokens_match_one_device(parallel, one_device):
 
 
 def test_each_device_holds_its_share_of_every_kv_page(parallel, one_device):
-    """Device d's page p is exactly the part of a one-device page p that d's layers and heads own."""
+    """Device d's page p is exactly the part of a one-device page p that d's layers and heads own
+    (page 0 left out: padding rows all write there, in no set order)."""
     kind, _, _, (_, _, driver) = parallel
     cache = driver.cache
     assert isinstance(cache, ShardedKvCache)
@@ -84,7 +85,7 @@ def test_each_device_holds_its_share_of_every_kv_page(parallel, one_device):
     for buffer, share in zip(cache.buffers, shares, strict=True):
         got = np.asarray(buffer.to_host())
         assert got.shape == (one.shape[0], one.shape[1] // 2)
-        np.testing.assert_allclose(got, share.reshape(one.shape[0], -1), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(got[1:], share.reshape(one.shape[0], -1)[1:], rtol=1e-4, atol=1e-5)
     used = np.abs(pages).sum(axis=(1, 2, 3, 4)) > 0
     assert used.sum() > 10  # the comparison covered real pages
 
