@@ -6,6 +6,7 @@ cache; decode_bsB_tok_s is B sequences' aggregate tokens/s over 128 generated to
 after a 128-token prompt, prefill excluded (time for 128 tokens minus time for 1).
 
     python -m benchmarks.kiln_offline --dtype float32      # builds the model if needed
+    python -m benchmarks.kiln_offline --quantize int8      # float32 activations, int8 weights
 
 The build runs in a child process so the measuring process never loads torch.
 """
@@ -26,18 +27,42 @@ DECODE_PROMPT = 128
 DECODE_TOKENS = 128
 PREFILL_LENGTHS = (128, 512)
 SHORT_DTYPE = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+# How a row names a float32 model whose weight matmuls are quantized (`--quantize`).
+QUANTIZED_LABEL = {"bf16": "bf16w", "int8": "int8"}
 
 
-def build_artifacts(dtype: str) -> Path:
-    """The bundled model built as `kiln serve --dtype` builds it (one cache entry for both)."""
+def label(dtype: str, quantize: str = "none") -> str:
+    return SHORT_DTYPE[dtype] if quantize == "none" else QUANTIZED_LABEL[quantize]
+
+
+def build_in_child(options: str) -> Path:
+    """The bundled model exported with `options` (Python source building ExportOptions) and
+    compiled for the CPU, into Kiln's keyed cache (built once), in a child process."""
     code = (
         "import sys\n"
         "from kiln.export.build import build, default_build_options\n"
-        f"out = build(None, default_build_options({dtype!r}), ['cpu'], log=lambda m: print(m, file=sys.stderr))\n"
+        "from kiln.export.options import ExportOptions\n"
+        f"out = build(None, {options}, ['cpu'], log=lambda m: print(m, file=sys.stderr))\n"
         "print(out)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.PIPE, text=True)
     return Path(done.stdout.strip().splitlines()[-1])
+
+
+def build_artifacts(dtype: str, quantize: str = "none") -> Path:
+    """The bundled model built as `kiln serve --dtype --quantize` builds it (one cache entry for both)."""
+    return build_in_child(f"default_build_options({dtype!r}, quantize={quantize!r})")
+
+
+def median_ms(call, repeats: int) -> float:
+    """The median wall time of `repeats` calls after one warm-up, in ms."""
+    call()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times)
 
 
 def _random_prompts(count: int, length: int, vocab: int, rng) -> list[list[int]]:
@@ -76,26 +101,27 @@ def measure(artifacts: Path, repeats: int = 3) -> dict:
     return out
 
 
-def run(dtype: str) -> dict:
+def run(dtype: str, quantize: str = "none") -> dict:
     """Build if needed, then measure in a fresh process (no torch in it)."""
-    artifacts = build_artifacts(dtype)
+    artifacts = build_artifacts(dtype, quantize)
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.kiln_offline", "--measure", str(artifacts)],
         check=True, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent,
     )
     figures = json.loads(done.stdout.strip().splitlines()[-1])
-    return {"engine": "kiln", "dtype": SHORT_DTYPE[dtype], "artifacts": str(artifacts), **figures}
+    return {"engine": "kiln", "dtype": label(dtype, quantize), "artifacts": str(artifacts), **figures}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=sorted(SHORT_DTYPE))
+    parser.add_argument("--quantize", default="none", choices=["none", *QUANTIZED_LABEL])
     parser.add_argument("--measure", type=Path, help="measure these artifacts in this process")
     args = parser.parse_args()
     if args.measure:
         print(json.dumps(measure(args.measure)))
     else:
-        print(json.dumps(run(args.dtype), indent=2))
+        print(json.dumps(run(args.dtype, args.quantize), indent=2))
     return 0
 
 

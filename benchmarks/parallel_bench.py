@@ -23,14 +23,12 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.kiln_offline import build_in_child, median_ms
 from benchmarks.peers.common import heavy_lock, log
 
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -40,26 +38,9 @@ PROMPT_TOKENS, DECODE_BATCH, PAGES = 256, 4, 128
 
 def build(tensor_parallel: int, pipeline_parallel: int) -> Path:
     """SmolLM2 exported for this layout and compiled for the CPU (Kiln's keyed cache: built once)."""
-    code = (
-        "import sys\n"
-        "from kiln.export.build import build\n"
-        "from kiln.export.options import ExportOptions\n"
-        f"options = ExportOptions(prefill_batch_sizes=(1,), decode_batch_sizes=({DECODE_BATCH},), max_seq_len=1024,\n"
-        f"    device_block_count={PAGES}, tensor_parallel={tensor_parallel}, pipeline_parallel={pipeline_parallel})\n"
-        "print(build(None, options, ['cpu'], log=lambda m: print(m, file=sys.stderr)))\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.PIPE, text=True)
-    return Path(done.stdout.strip().splitlines()[-1])
-
-
-def median_ms(call, repeats: int) -> float:
-    call()  # warm-up
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - started) * 1000)
-    return statistics.median(times)
+    return build_in_child(f"ExportOptions(prefill_batch_sizes=(1,), decode_batch_sizes=({DECODE_BATCH},), "
+                          f"max_seq_len=1024, device_block_count={PAGES}, tensor_parallel={tensor_parallel}, "
+                          f"pipeline_parallel={pipeline_parallel})")
 
 
 def measure(artifacts: Path, repeats: int) -> dict:

@@ -97,11 +97,13 @@ def step_offline(results: dict, args) -> None:
     rows = results.setdefault("offline", [])
     jobs = []
     if "kiln" in args.engines:
-        jobs += [("kiln f32", lambda: kiln_offline.run("float32")), ("kiln f16", lambda: kiln_offline.run("float16"))]
+        jobs += [("kiln f32", lambda: kiln_offline.run("float32")), ("kiln f16", lambda: kiln_offline.run("float16")),
+                 ("kiln bf16w", lambda: kiln_offline.run("float32", "bf16")),
+                 ("kiln int8", lambda: kiln_offline.run("float32", "int8"))]
     if "llama.cpp" in args.engines:
         from benchmarks.peers import llamacpp
 
-        jobs += [("llama.cpp f32", lambda: llamacpp.offline("f32")), ("llama.cpp f16", lambda: llamacpp.offline("f16"))]
+        jobs += [(f"llama.cpp {dtype}", lambda dtype=dtype: llamacpp.offline(dtype)) for dtype in ("f32", "f16", "bf16", "q8_0")]
     if "transformers" in args.engines:
         from benchmarks.peers import transformers_peer
 
@@ -147,7 +149,8 @@ def best_of_rounds(rounds: list[dict]) -> dict:
 
 def _weight_bytes() -> dict[str, int]:
     """Bytes a batch-1 decode step must read: every parameter once (a tied embedding is read
-    whole by the output projection), at 4 bytes (f32) or 2 (f16)."""
+    whole by the output projection), at 4 bytes (f32), 2 (f16, bf16), or 1 and a scale per 32
+    (llama.cpp's Q8_0; Kiln's int8 has one per row, about 1 byte)."""
     from kiln.runtime.config import ModelParams  # noqa: F401  (the runtime's view of the export)
     from benchmarks.peers import weights
 
@@ -157,7 +160,7 @@ def _weight_bytes() -> dict[str, int]:
     d = h // heads
     per_layer = h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * i + 2 * h
     params = layers * per_layer + v * h + h
-    return {"f32": params * 4, "f16": params * 2}
+    return {"f32": params * 4, "f16": params * 2, "bf16": params * 2, "q8_0": params * 34 // 32}
 
 
 def step_serving(results: dict, args) -> None:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from kiln.export.options import LOGITS_NORMALIZATIONS, ExportOptions
-from kiln.runtime.config import DTYPES
+from kiln.runtime.config import DTYPES, QUANTIZATIONS
 from kiln.runtime.contract import CONFIG_FILE, PARAMETERS_FILE, TARGETS, TOKENIZER_FILE, vmfb_file
 from kiln.runtime.errors import ExportError
 
@@ -51,6 +51,9 @@ def add_export_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
     parser.add_argument("--kv-cache-dtype", choices=DTYPES, default=defaults.kv_cache_dtype,
                         help="the KV cache's element type (default: --dtype); float16 halves its bytes")
+    parser.add_argument("--quantize", choices=QUANTIZATIONS, default=defaults.quantize,
+                        help="store the weight matmuls' weights as bf16, or int8 with a scale per output row "
+                        "(activations and KV cache stay float32; needs --dtype float32)")
     parser.add_argument("--prefill-final-logits", action="store_true", help="prefill returns only each row's last logits")
     parser.add_argument("--top-k", type=positive_int, default=None, help="functions return top-k values and ids, not logits")
     parser.add_argument("--logits-normalization", choices=LOGITS_NORMALIZATIONS, default=defaults.logits_normalization)
@@ -66,7 +69,7 @@ def add_export_options(parser: argparse.ArgumentParser) -> None:
 
 
 # Options whose flag names the ExportOptions field as it is (--block-seq-stride: block_seq_stride).
-_SAME_NAMED = ("block_seq_stride", "device_block_count", "max_seq_len", "dtype", "kv_cache_dtype",
+_SAME_NAMED = ("block_seq_stride", "device_block_count", "max_seq_len", "dtype", "kv_cache_dtype", "quantize",
                "prefill_final_logits", "top_k", "logits_normalization", "tensor_parallel", "pipeline_parallel")
 
 

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kiln.runtime.config import DTYPES
+from kiln.runtime.config import DTYPES, QUANTIZATIONS
 from kiln.runtime.errors import KilnError
 
 
@@ -40,6 +40,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with --model or the default model: the dtype to build")
     group.add_argument("--kv-cache-dtype", choices=DTYPES, default="",
                        help="with --model or the default model: the KV cache's element type (default: --dtype)")
+    group.add_argument("--quantize", choices=QUANTIZATIONS, default=QUANTIZATIONS[0],
+                       help="with --model or the default model: weights stored as bf16, or int8 with a scale per "
+                       "output row (activations stay float32)")
     group.add_argument("--tensor-parallel", "--tensor-parallel-size", type=positive_int, default=1,
                        help="with --model or the default model: shard each layer over this many devices")
     group.add_argument("--pipeline-parallel", "--pipeline-parallel-size", type=positive_int, default=1,
@@ -83,6 +86,7 @@ def resolve_artifacts(args, log=lambda line: print(line, file=sys.stderr, flush=
         ) from None
     if not args.device.startswith("local"):
         raise ModelChoiceError("building on first use targets the CPU: pass --artifacts for GPU builds")
-    options = default_build_options(args.dtype, args.kv_cache_dtype, args.tensor_parallel, args.pipeline_parallel)
+    options = default_build_options(args.dtype, args.kv_cache_dtype, args.tensor_parallel, args.pipeline_parallel,
+                                    quantize=args.quantize)
     directory = build(args.model, options, ["cpu"], log=log)
     return Artifacts.in_directory(directory, "cpu")

@@ -61,7 +61,7 @@ def artifacts_key(model_path: Path | None, options: ExportOptions, extra: dict |
 
 
 def default_build_options(dtype: str = "float32", kv_cache_dtype: str = "", tensor_parallel: int = 1,
-                          pipeline_parallel: int = 1) -> ExportOptions:
+                          pipeline_parallel: int = 1, quantize: str = "none") -> ExportOptions:
     """What `kiln serve` / `kiln generate` build on first use (and what the tests build):
     one definition, so both land on the same cache key and the model is built once."""
     # 1024 pages of 16 tokens: 16 sequences of 1024 tokens decode at once without
@@ -69,7 +69,7 @@ def default_build_options(dtype: str = "float32", kv_cache_dtype: str = "", tens
     # No decode_bs1: one sequence decodes in a batch of 2 (see ExportOptions.decode_batch_sizes).
     return ExportOptions(decode_batch_sizes=(2, 4, 8, 16), dtype=dtype, max_seq_len=4096, device_block_count=1024,
                          kv_cache_dtype=kv_cache_dtype, tensor_parallel=tensor_parallel,
-                         pipeline_parallel=pipeline_parallel)
+                         pipeline_parallel=pipeline_parallel, quantize=quantize)
 
 
 def build(

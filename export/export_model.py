@@ -21,6 +21,7 @@ from iree.turbine import aot
 
 from kiln.models.checkpoint import Checkpoint
 from kiln.models.llama import PagedLlama
+from kiln.models.quantize import quantize_model
 from kiln.models.sharded_llama import ShardedPagedLlama
 from kiln.runtime.config import KilnParams, ModelParams, PagedKVCacheParams, save_model_config, sidecar_path
 from kiln.runtime.contract import (
@@ -31,6 +32,7 @@ from kiln.runtime.errors import ExportError
 from .exporter import TORCH_DTYPES, trace_module
 from .options import ExportOptions
 from .page_gather import gather_pages
+from .weight_matmul import weight_matmul
 
 ARTIFACT_NAMES = (MLIR_FILE, PARAMETERS_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
 
@@ -86,6 +88,7 @@ def kiln_params(checkpoint: Checkpoint, options: ExportOptions) -> KilnParams:
         prefill_final_logits=options.prefill_final_logits,
         tensor_parallel=options.tensor_parallel,
         pipeline_parallel=options.pipeline_parallel,
+        quantization=options.quantize,
     )
     if c.is_diffusion:
         kiln = replace(kiln, prefill_final_logits=False, model_kind=DIFFUSION,
@@ -103,7 +106,7 @@ def build_model(checkpoint: Checkpoint, options: ExportOptions) -> PagedLlama | 
         raise ExportError(f"the checkpoint's tensors do not fit its config: {error}") from None
     if options.layout.device_count > 1:
         model = ShardedPagedLlama(model, options.layout)
-    return model.eval()
+    return quantize_model(model, options.quantize, weight_matmul).eval()
 
 
 def export_model(checkpoint: Checkpoint, options: ExportOptions, output_dir: Path, log=print) -> ExportedModel:
@@ -121,7 +124,8 @@ def export_model(checkpoint: Checkpoint, options: ExportOptions, output_dir: Pat
     try:
         started = time.monotonic()
         model = build_model(checkpoint, options)
-        log(f"built the {options.dtype} model in {time.monotonic() - started:.1f}s")
+        weights = "" if options.quantize == "none" else f" ({options.quantize} weights)"
+        log(f"built the {options.dtype} model{weights} in {time.monotonic() - started:.1f}s")
 
         started = time.monotonic()
         aot.externalize_module_parameters(model, external_scope=PARAMETER_SCOPE)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kiln.runtime.config import DTYPES
+from kiln.runtime.config import DTYPES, QUANTIZATIONS
 from kiln.runtime.device_layout import DeviceLayout
 from kiln.runtime.errors import ExportError
 
@@ -32,6 +32,9 @@ class ExportOptions:
     # halves the cache's bytes, so twice the tokens fit (llama.cpp's default). Not faster
     # on IREE 3.13's CPU code: the page gather converts per element (benchmarks/NOTES.md).
     kv_cache_dtype: str = ""
+    # How the weight matmuls store their weights (models/quantize.py): "none" (as dtype),
+    # "bf16", or "int8" with a scale per output row; activations and KV stay float32.
+    quantize: str = "none"
     prefill_final_logits: bool = False
     # Also export prefill_last_bs<N>: the same prefill returning only each row's last
     # logits, which the runtime calls unless a request needs every position's (prompt
@@ -70,6 +73,11 @@ class ExportOptions:
             raise ExportError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_dtype and self.kv_cache_dtype not in DTYPES:
             raise ExportError(f"kv_cache_dtype must be one of {', '.join(DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.quantize not in QUANTIZATIONS:
+            raise ExportError(f"quantize must be one of {', '.join(QUANTIZATIONS)}, got {self.quantize!r}")
+        if self.quantize != "none" and self.dtype != "float32":
+            raise ExportError(f"--quantize {self.quantize} keeps activations in float32: it needs --dtype float32, "
+                              f"got {self.dtype}")
         if self.logits_normalization not in LOGITS_NORMALIZATIONS:
             raise ExportError(
                 f"logits_normalization must be one of {', '.join(LOGITS_NORMALIZATIONS)}, "

@@ -12,34 +12,9 @@ from __future__ import annotations
 
 import torch
 from iree.compiler import ir
-from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection, def_library, impl_helper
+from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection
 
-KILN_LIBRARY = def_library("kiln")
-
-# iree-turbine 3.9 calls `SomeType.isinstance(x)`, which the MLIR Python bindings in
-# iree-base-compiler 3.13 dropped; custom ops cannot expand without it. Python's own
-# isinstance does the same job now that the bindings return the concrete class.
-for _name in (
-    "BlockArgument", "F16Type", "F32Type", "F64Type", "IndexType", "IntegerType",
-    "MemRefType", "OpResult", "RankedTensorType", "ShapedType", "VectorType",
-):
-    _cls = getattr(ir, _name)
-    if not hasattr(_cls, "isinstance"):
-        setattr(_cls, "isinstance", staticmethod(lambda value, _cls=_cls: isinstance(value, _cls)))
-
-
-class _TextTemplates(impl_helper.TemplateLoader):
-    """Templates written in Python: the 'name' is the module's MLIR text."""
-
-    def load_template(self, kb: KernelBuilder, name: str, **kwargs) -> ir.Operation:
-        return self._parse_module_asm(kb, name)
-
-
-_templates = _TextTemplates()
-
-
-def _static_dims(arg) -> list[int]:
-    return [i for i, size in enumerate(arg.t.shape) if isinstance(size, int)]
+from .custom_ops import KILN_LIBRARY, emit_function, static_dims, type_ident
 
 
 @CustomOp.register(library=KILN_LIBRARY)
@@ -52,10 +27,10 @@ class gather_pages(CustomOp):
         pages = ksel.arg_tensor(0)
         index = ksel.arg_tensor(1)
         torch._check(index.t.dtype in (torch.int32, torch.int64), lambda: "gather_pages: integer index")
-        pages.specialize_dims(*_static_dims(pages))
-        index.specialize_dims(*_static_dims(index))
+        pages.specialize_dims(*static_dims(pages))
+        index.specialize_dims(*static_dims(index))
         result = ksel.return_new_tensor([*index.t.shape, *pages.t.shape[1:]], pages.t.dtype)
-        result.specialize_dims(*_static_dims(result))
+        result.specialize_dims(*static_dims(result))
 
     def eager_execute(self, pages, index):
         return pages[index]
@@ -75,8 +50,7 @@ class gather_pages(CustomOp):
                 dim_lines.append(f"%c{position} = arith.constant {axis} : index")
                 dim_lines.append(f"%d{position} = tensor.dim {value}, %c{position} : {value_type}")
                 dim_names.append(f"%d{position}")
-        ident = "_".join(str(t).replace("tensor<", "").replace(">", "").replace("?", "D") for t in (pages_type, index_type))
-        name = f"kiln_gather_pages_{ident}"
+        name = f"kiln_gather_pages_{type_ident(pages_type, index_type)}"
         text = f"""module {{
 util.func private @{name}(%pages: {pages_type}, %index: {index_type}) -> {out_type} {{
   {chr(10).join(dim_lines)}
@@ -85,5 +59,4 @@ util.func private @{name}(%pages: {pages_type}, %index: {index_type}) -> {out_ty
   util.return %out : {out_type}
 }}
 }}"""
-        function = _templates.inline_template_function(kb, text, name)
-        kb.yield_results(*impl_helper.call_function(function, pages, index))
+        emit_function(kb, name, text)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import LlamaConfig
+from .quantize import QuantizedEmbedding, stacked_linear
 from .rope import llama3_divisors
 
 # Added to the attention score of a key a query may not see: exp() of it is 0 in
@@ -81,9 +82,8 @@ class Attention(nn.Module):
             # once, at load): two dispatches fewer per layer, ~1 ms of a batch-1 step here.
             # Prefill keeps three: splitting the fused result made its rotary pass slower
             # than the merge saved (benchmarks/NOTES.md).
-            weight = torch.cat([p.weight for p in projections])
-            bias = torch.cat([p.bias for p in projections]) if self.q_proj.bias is not None else None
-            q, k, v = F.linear(x, weight, bias).split([p.out_features for p in projections], dim=-1)
+            sizes = [p.weight.shape[0] for p in projections]
+            q, k, v = stacked_linear(projections, x).split(sizes, dim=-1)
         else:
             q, k, v = (p(x) for p in projections)
         q = q.reshape(n, t, self.n_heads, self.head_dim).transpose(1, 2)
@@ -226,8 +226,12 @@ class PagedLlama(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         h = self.model.norm(h)
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(h).float()
+        embedding = self.model.embed_tokens  # tied: the embedding's rows are the output head's
+        if isinstance(embedding, QuantizedEmbedding):
+            return embedding.project(h)
+        return F.linear(h, embedding.weight).float()
 
     # -- reference: plain attention (causal unless a diffusion LM), no cache -----------
     def forward_reference(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,8 @@ _FORMER_KILN_FIELDS = {"model_name", "architecture", "bos_token_id", "dtype", "h
 
 # Element types of weights and of the KV cache an export may have.
 DTYPES = ("float32", "float16", "bfloat16")
+# How an export may store its weight matmuls' weights (models/quantize.py).
+QUANTIZATIONS = ("none", "bf16", "int8")
 
 
 @dataclass
@@ -97,6 +99,9 @@ class KilnParams:
     # functions take one KV cache argument per device, each [pages, its page elements].
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
+    # How the weight matmuls store their weights: "none", "bf16" or "int8" (for the record: the
+    # functions' arguments and results are the same whatever it is).
+    quantization: str = "none"
 
     FIELD_NAMES = ()  # filled below
 

@@ -90,6 +90,18 @@ def tiny_pp2_artifacts(tiny_hf_dir, tmp_path_factory) -> Path:
     return _export_and_compile(tiny_hf_dir, tmp_path_factory.mktemp("tiny-pp2"), [*TINY_EXPORT_ARGS, "--pipeline-parallel", "2"])
 
 
+@pytest.fixture(scope="session")
+def tiny_bf16_artifacts(tiny_hf_dir, tmp_path_factory) -> Path:
+    """The tiny model with its weight matmuls in bf16 (float32 activations)."""
+    return _export_and_compile(tiny_hf_dir, tmp_path_factory.mktemp("tiny-bf16"), [*TINY_EXPORT_ARGS, "--quantize", "bf16"])
+
+
+@pytest.fixture(scope="session")
+def tiny_int8_artifacts(tiny_hf_dir, tmp_path_factory) -> Path:
+    """The tiny model with int8 weights (a scale per output row) and activations quantized per token."""
+    return _export_and_compile(tiny_hf_dir, tmp_path_factory.mktemp("tiny-int8"), [*TINY_EXPORT_ARGS, "--quantize", "int8"])
+
+
 # The diffusion LMs' export: denoise sizes 1 and 4 (guidance takes two rows), the greedy summaries
 # too (so both paths run), the tiny context.
 DIFFUSION_EXPORT_ARGS = ["--bs-denoise", "1,4", "--denoise-top", "--block-seq-stride", "16", "--max-seq-len", "256",

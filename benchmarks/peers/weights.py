@@ -3,7 +3,7 @@
 From SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32 by Kiln's loader) we write,
 once, into `<cache>/peers/weights/`:
   - an HF directory (safetensors, explicit lm_head, rope_theta): transformers, sharktank;
-  - GGUFs in F32 and F16 made from that directory by llama.cpp's own converter.
+  - GGUFs in F32, F16, BF16 and Q8_0 made from that directory by llama.cpp's own converter.
 `check_same_weights()` shows they agree: llama.cpp on the F32 GGUF and transformers on the
 HF directory produce the same greedy tokens.
 
@@ -24,7 +24,9 @@ from .common import heavy_lock, log, peers_dir, run_json
 FORMAT = "1"  # bump when what we write changes
 CHECK_PROMPT = "The three primary colors are"
 CHECK_TOKENS = 32
-DTYPES = ("f32", "f16")
+# llama.cpp's converter writes each of these from the float32 HF directory (q8_0: 32-weight
+# blocks with a float16 scale each, what Kiln's int8 weights are measured against).
+DTYPES = ("f32", "f16", "bf16", "q8_0")
 
 
 def weights_dir() -> Path:
@@ -65,7 +67,7 @@ def hf_dir() -> Path:
 
 
 def gguf(dtype: str = "f32") -> Path:
-    """A GGUF of `dtype` ("f32" or "f16") made by llama.cpp's convert_hf_to_gguf.py from
+    """A GGUF of `dtype` (one of DTYPES) made by llama.cpp's convert_hf_to_gguf.py from
     hf_dir(), in the llama.cpp venv; converted on first use."""
     from . import llamacpp
 

@@ -1,0 +1,144 @@
+"""SmolLM2-135M with float32, bf16 and int8 weights (`--quantize`): the raw compiled calls side by
+side, in paired rounds, with the memory-bandwidth floor each precision's weight bytes set.
+
+    python -m benchmarks.precision_bench [--rounds 5]
+
+Each precision is exported with the serving path's functions (prefill_last at batch 1, decode at
+batch 2, which carries a lone sequence beside a padding row, and at batch 8) and compiled for
+this CPU. Then, in one process with no torch in it, every round times each precision's calls in
+turn, the order alternating from round to round: a decode step at 128 tokens of context (median
+of 30 calls) at batch 2 and 8, and a 512-token prefill (median of 3). Ratios are taken within
+a round (float32's time over the other's) and their median quoted, so a slow spell of this
+shared machine cannot land on one precision only. The floor is the step time if the step only
+had to stream the parameters once at the bandwidth measured in the same run.
+Writes benchmarks/results/precision-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks import membw
+from benchmarks.kiln_offline import build_in_child, median_ms
+from benchmarks.peers.common import heavy_lock, log
+
+RESULTS_DIR = Path(__file__).parent / "results"
+PRECISIONS = {"f32": "none", "bf16w": "bf16", "int8": "int8"}
+CONTEXT, PREFILL_TOKENS, PAGES = 128, 512, 160
+DECODE_BATCHES = (2, 8)
+
+
+def build(quantize: str) -> Path:
+    """SmolLM2 exported with these weights and compiled for the CPU (Kiln's keyed cache: built once)."""
+    return build_in_child(f"ExportOptions(prefill_batch_sizes=(1,), decode_batch_sizes={DECODE_BATCHES}, "
+                          f"max_seq_len=1024, device_block_count={PAGES}, quantize={quantize!r})")
+
+
+def resident_mib() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+
+class Calls:
+    """One precision's compiled program and the calls a round times."""
+
+    def __init__(self, artifacts: Path):
+        from kiln.runtime.contract import Artifacts
+        from kiln.runtime.program import Program
+
+        before = resident_mib()
+        self.program = Program(Artifacts.in_directory(artifacts))
+        self.cache = self.program.allocate_cache(PAGES)
+        stride = self.program.params.block_seq_stride
+        rng = np.random.default_rng(0)
+        self.prompt = rng.integers(300, 40000, (1, PREFILL_TOKENS))
+        self.prefill_table = np.arange(1, 1 + PREFILL_TOKENS // stride).reshape(1, -1)
+        blocks = CONTEXT // stride + 1
+        largest = max(DECODE_BATCHES)
+        self.tables = np.arange(1, 1 + largest * blocks).reshape(largest, blocks)
+        self.first = self.prefill(CONTEXT)  # each row's context is the same 128 tokens: real pages to read
+        self.greedy = [int(self.decode(2)[0, 0].argmax())]
+        self.resident_mib = resident_mib() - before
+
+    def prefill(self, tokens: int = PREFILL_TOKENS) -> int:
+        stride = self.program.params.block_seq_stride
+        logits = self.program.invoke("prefill_last_bs1", self.prompt[:, :tokens], np.zeros(1, np.int64),
+                                     np.array([tokens]), self.prefill_table[:, :tokens // stride], self.cache)[0]
+        return int(logits[0, -1].argmax())
+
+    def decode(self, batch: int) -> np.ndarray:
+        positions = np.full(batch, CONTEXT)
+        return self.program.invoke(f"decode_bs{batch}", np.full((batch, 1), self.first), positions + 1, positions,
+                                   self.tables[:batch], self.cache)[0]
+
+
+def measure(artifacts: dict[str, Path], rounds: int) -> dict:
+    from kiln.export.placement import parameter_bytes_by_device
+
+    calls = {name: Calls(path) for name, path in artifacts.items()}
+    bandwidth = membw.measure()
+    names = list(calls)
+    times: dict[str, list[dict]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        for name in names if round_index % 2 == 0 else names[::-1]:
+            c = calls[name]
+            figures = {f"decode_bs{b}_ms": median_ms(lambda b=b: c.decode(b), 30) for b in DECODE_BATCHES}
+            figures["prefill_512_ms"] = median_ms(c.prefill, 3)
+            times[name].append(figures)
+            log(f"round {round_index + 1}: {name} " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items()))
+    results = {}
+    for name in names:
+        parameter_bytes = sum(parameter_bytes_by_device((artifacts[name] / "model.mlir").read_text()).values())
+        floor = membw.decode_floor(parameter_bytes, bandwidth["read_gb_s"])
+        row = {key: round(statistics.median(r[key] for r in times[name]), 2) for key in times[name][0]}
+        row.update({
+            "parameter_mib": round(parameter_bytes / 2**20, 1),
+            "resident_mib": round(calls[name].resident_mib, 1),
+            "floor_step_ms": round(floor["step_ms"], 2),
+            "of_floor": round(floor["step_ms"] / row["decode_bs2_ms"], 2),
+            "greedy_after_prompt": [calls[name].first, *calls[name].greedy],
+            "rounds": times[name],
+        })
+        if name != "f32":
+            row["speedup_vs_f32"] = {key: round(statistics.median(f[key] / o[key] for f, o in zip(times["f32"], times[name])), 2)
+                                     for key in times[name][0]}
+        results[name] = row
+    return {"membw": bandwidth, "results": results}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    with heavy_lock():
+        artifacts = {}
+        for name, quantize in PRECISIONS.items():
+            log(f"building SmolLM2 with {name} weights")
+            artifacts[name] = build(quantize)
+        log("measuring")
+        report = measure(artifacts, args.rounds)
+    print(f"memory read bandwidth {report['membw']['read_gb_s']:.1f} GB/s")
+    print(f"{'weights':<8} {'params MiB':>10} {'resident MiB':>12} {'decode bs2 ms':>13} {'bs8 ms':>7} "
+          f"{'prefill 512 ms':>14} {'floor ms':>8} {'of floor':>8}  speed-up vs f32 (bs2 / bs8 / prefill)")
+    for name, r in report["results"].items():
+        up = r.get("speedup_vs_f32")
+        ups = " / ".join(f"{up[k]:.2f}x" for k in ("decode_bs2_ms", "decode_bs8_ms", "prefill_512_ms")) if up else "-"
+        print(f"{name:<8} {r['parameter_mib']:>10} {r['resident_mib']:>12} {r['decode_bs2_ms']:>13} "
+              f"{r['decode_bs8_ms']:>7} {r['prefill_512_ms']:>14} {r['floor_step_ms']:>8} {r['of_floor']:>8}  {ups}")
+    RESULTS_DIR.mkdir(exist_ok=True)
+    path = RESULTS_DIR / f"precision-{datetime.date.today()}.json"
+    path.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                                **report}, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""Weights stored narrower than the activations: bfloat16, or int8 with a scale per output row.
+
+Only the weight matmuls and the token embedding change; activations, norms, attention and the
+KV cache stay float32. How a matmul uses the narrow weight depends on the call:
+
+- One token per row (decode, and the output head of prefill_last): the step streams every
+  weight once, so its bytes are its time. The matmul takes the weight as stored, in a
+  narrow-input kernel (`matmul`): bf16 rounds its input to bf16 and sums the products in
+  float32 (AVX512-BF16, GPUs' bf16 tensor cores); int8 quantizes its input too, per token and
+  per group of ACTIVATION_GROUP input channels (as llama.cpp's Q8_0 dot products quantize
+  theirs per 32), one int8 x int8 -> int32 matmul per group, summed with the groups' scales.
+- Many tokens per row (prefill, denoising): compute-bound, so the weight is widened to float32
+  and the matmul runs as a float32 one (on this CPU a bf16 or grouped-int8 matmul of 512 rows
+  was slower than the float32 one; benchmarks/NOTES.md). The weight's bytes stay narrow.
+
+int8 weights are scaled symmetrically per output row (scale = max|w| / 127). Quantizing the
+activations per token alone, with no groups, moved SmolLM2's mean log-probability 2.9%; per
+group of 64, 0.6%.
+
+The narrow kernel is a function the model is given (`matmul`): eager torch runs
+`eager_weight_matmul`; the export passes an IREE custom op with the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.runtime.config import QUANTIZATIONS
+
+_INT8_MAX = 127.0
+_TINY = 1e-30  # the scale of an all-zero row: any positive value quantizes it to zeros
+ACTIVATION_GROUP = 64  # input channels that share an int8 activation scale
+
+
+def eager_weight_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., M, K] @ w [..., N, K]^T (batched alike) for bf16 inputs (float32 result) or int8
+    ones (int32, exact)."""
+    if x.dtype == torch.int8:
+        # float64 sums of int8 products are exact far past any model's K (|sum| < 2^53), and
+        # unlike an int32 matmul they run as BLAS.
+        return (x.double() @ w.double().transpose(-1, -2)).to(torch.int32)
+    return x.float() @ w.float().transpose(-1, -2)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 values and float32 scales [..., 1] of x's rows, symmetric: x ≈ q * scale."""
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / _INT8_MAX
+    return torch.round(x / scale).clamp(-_INT8_MAX, _INT8_MAX).to(torch.int8), scale
+
+
+def activation_group(k: int) -> int:
+    """Input channels per activation scale: ACTIVATION_GROUP where it divides K, else all K."""
+    return ACTIVATION_GROUP if k % ACTIVATION_GROUP == 0 else k
+
+
+def widened(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """The float32 weight that stored bytes stand for."""
+    w = weight.float()
+    return w if scale is None else w * scale.view(-1, 1)
+
+
+def weight_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, matmul) -> torch.Tensor:
+    """x [..., T, K] times a stored weight [N, K]^T (bf16, or int8 with row scales [N]): float32
+    [..., T, N]. T is 1 in a decode step (static); a dynamic or larger T is a prefill."""
+    one_token = isinstance(x.shape[-2], int) and x.shape[-2] == 1
+    if not one_token:
+        return F.linear(x.float(), widened(weight, scale))
+    n, k = weight.shape
+    rows = x.reshape(-1, k)
+    if weight.dtype == torch.bfloat16:
+        out = matmul(rows.to(torch.bfloat16), weight)
+    else:
+        group = activation_group(k)
+        q, row_scale = quantize_rows(rows.float().view(-1, k // group, group))  # [M, G, g], [M, G, 1]
+        sums = matmul(q.transpose(0, 1), weight.view(n, k // group, group).transpose(0, 1))  # [G, M, N]
+        out = (sums.float() * row_scale.permute(1, 0, 2)).sum(dim=0) * scale
+    return out.view(*x.shape[:-1], n)
+
+
+class QuantizedWeight(nn.Module):
+    """A [N, K] float weight stored as `mode` says; `scale` [N] for int8, None for bf16."""
+
+    def __init__(self, weight: torch.Tensor, mode: str, matmul=eager_weight_matmul):
+        super().__init__()
+        if mode not in QUANTIZATIONS[1:]:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS[1:])}, got {mode!r}")
+        weight = weight.detach().float()
+        if mode == "bf16":
+            stored, scale = weight.to(torch.bfloat16), None
+        else:
+            stored, row_scale = quantize_rows(weight)
+            scale = nn.Parameter(row_scale.view(-1), requires_grad=False)
+        self.weight = nn.Parameter(stored, requires_grad=False)
+        self.scale = scale
+        self.matmul = matmul
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight these bytes stand for."""
+        return widened(self.weight, self.scale)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return weight_product(x, self.weight, self.scale, self.matmul)
+
+
+class QuantizedLinear(QuantizedWeight):
+    """nn.Linear with a quantized weight (the bias, if any, stays float32)."""
+
+    def __init__(self, linear: nn.Linear, mode: str, matmul=eager_weight_matmul):
+        super().__init__(linear.weight, mode, matmul)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.project(x)
+        return out if self.bias is None else out + self.bias
+
+
+class QuantizedEmbedding(QuantizedWeight):
+    """nn.Embedding with quantized rows; `project` is the tied output head over the same bytes."""
+
+    def __init__(self, embedding: nn.Embedding, mode: str, matmul=eager_weight_matmul):
+        super().__init__(embedding.weight, mode, matmul)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = self.weight[tokens].float()
+        return rows if self.scale is None else rows * self.scale[tokens].unsqueeze(-1)
+
+
+def stacked_linear(layers, x: torch.Tensor) -> torch.Tensor:
+    """x through linear layers that share it, as one matmul over their weights concatenated
+    (a compiler concatenates parameters once, at load time)."""
+    bias = torch.cat([layer.bias for layer in layers]) if layers[0].bias is not None else None
+    weight = torch.cat([layer.weight for layer in layers])
+    if not isinstance(layers[0], QuantizedLinear):
+        return F.linear(x, weight, bias)
+    scale = None if layers[0].scale is None else torch.cat([layer.scale for layer in layers])
+    out = weight_product(x, weight, scale, layers[0].matmul)
+    return out if bias is None else out + bias
+
+
+def quantize_model(model: nn.Module, mode: str, matmul=eager_weight_matmul) -> nn.Module:
+    """Replace every nn.Linear and nn.Embedding under `model` by its quantized form, in place.
+
+    A replaced weight keeps the device it was placed on (a tensor/pipeline-parallel model's
+    placement is a trait of each parameter)."""
+    from iree.turbine.aot import DeviceTensorTrait
+
+    if mode == "none":
+        return model
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear:
+                replacement = QuantizedLinear(child, mode, matmul)
+            elif type(child) is nn.Embedding:
+                replacement = QuantizedEmbedding(child, mode, matmul)
+            else:
+                continue
+            device = DeviceTensorTrait.get(child.weight)
+            if device is not None:
+                for parameter in replacement.parameters():
+                    device.set(parameter)
+            setattr(module, name, replacement)
+    return model

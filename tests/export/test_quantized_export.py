@@ -1,0 +1,116 @@
+"""bf16 and int8 weights (`kiln export-model --quantize`) on the tiny model, compiled and run
+through iree.runtime against the same quantization in eager torch, call for call.
+
+Tolerances: int8 is integer arithmetic up to the float32 scaling, so it holds float32's 1e-4.
+bf16 rounds each matmul input to bf16; the compiled code's rounding of an input that lies
+near a bf16 tie can differ from torch's, and one such flip moves a logit by about bf16's unit
+roundoff (2^-8 = 3.9e-3): the bf16 tolerance is that.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from kiln.export.export_model import build_model
+from kiln.export.options import ExportOptions
+from kiln.export.placement import parameter_bytes_by_device
+from kiln.runtime import LLM, SamplingParams
+from kiln.runtime.contract import Artifacts
+from kiln.runtime.program import Program
+from tests.conftest import run_kiln
+from tests.eager_paged import EagerSequence
+from tests.paged_driver import PagedDriver, relative_error
+
+pytestmark = pytest.mark.e2e
+
+TOLERANCE = {"bf16": 4e-3, "int8": 1e-4}
+
+
+@pytest.fixture(scope="module", params=["bf16", "int8"])
+def quantized(request, tiny_checkpoint):
+    mode = request.param
+    artifacts = request.getfixturevalue(f"tiny_{mode}_artifacts")
+    reference = build_model(tiny_checkpoint, ExportOptions(quantize=mode).validate(256))
+    return mode, artifacts, Program(Artifacts.in_directory(artifacts)), reference
+
+
+def test_every_function_matches_the_eager_quantized_model(quantized):
+    """Prefill (batch 4 with a padded row, every position), greedy decode steps at batch 4 and 1,
+    and prefill_last continuing a cached prefix at a start position."""
+    mode, _, program, reference = quantized
+    tolerance = TOLERANCE[mode]
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(4, 384, n).tolist() for n in (5, 16, 37)]
+    driver = PagedDriver(program)
+    seqs = driver.new_sequences(3, 64)
+    logits = driver.prefill(seqs, prompts, batch=4)
+    eager = [EagerSequence(reference) for _ in prompts]
+    tokens = []
+    for row, prompt in enumerate(prompts):
+        want = eager[row].run(prompt)
+        assert relative_error(logits[row, : len(prompt)], want) < tolerance
+        tokens.append(int(want[-1].argmax()))
+    lengths = [len(p) for p in prompts]
+    for _ in range(4):
+        step = driver.decode(seqs, tokens, lengths, batch=4)
+        for row in range(len(prompts)):
+            want = eager[row].run([tokens[row]])[0]
+            assert relative_error(step[row, 0], want) < tolerance
+            tokens[row], lengths[row] = int(want.argmax()), lengths[row] + 1
+    [lone] = driver.new_sequences(1, 16)
+    assert relative_error(driver.decode([lone], [7], [0], batch=1)[0, 0], EagerSequence(reference).run([7])[0]) < tolerance
+    [continued] = driver.new_sequences(1, 48)
+    prompt = rng.integers(4, 384, 40).tolist()
+    driver.prefill([continued], [prompt[:32]], batch=1)
+    last = driver.prefill([continued], [prompt[32:]], batch=1, start_pos=[32], function="prefill_last")
+    sequence = EagerSequence(reference)
+    sequence.run(prompt[:32])
+    assert relative_error(last[0, 0], sequence.run_last(prompt[32:])) < tolerance
+
+
+def test_weights_are_stored_narrow_and_the_matmul_takes_them_as_they_are(quantized, tiny_artifacts):
+    mode, artifacts, _, _ = quantized
+    text = (artifacts / "model.mlir").read_text()
+    [stored] = parameter_bytes_by_device(text).values()
+    [whole] = parameter_bytes_by_device((tiny_artifacts / "model.mlir").read_text()).values()
+    # The norms stay float32 and int8 adds a float32 scale per row: a little over 1/2 and 1/4.
+    assert whole * {"bf16": 0.5, "int8": 0.25}[mode] < stored < whole * {"bf16": 0.52, "int8": 0.3}[mode]
+    element = {"bf16": "bf16", "int8": "i8"}[mode]
+    accumulator = {"bf16": "f32", "int8": "i32"}[mode]
+    narrow_matmul = (rf"linalg\.(?:batch_)?matmul .* ins\([^:]+ : tensor<\S+x{element}>, tensor<(?:\d+x)+{element}>\) "
+                     rf"outs\([^:]+ : tensor<\S+x{accumulator}>\)")
+    assert len(re.findall(narrow_matmul, text)) >= 4  # q/k/v, o, gate/up, down at least
+    kiln = json.loads((artifacts / "model.kiln.json").read_text())
+    assert kiln["quantization"] == mode
+    assert json.loads((artifacts / "model.json").read_text())["paged_kv_cache"]["kv_cache_dtype"] == "float32"
+
+
+def test_the_serving_runtime_generates_the_eager_models_greedy_tokens(quantized):
+    mode, artifacts, _, reference = quantized
+    prompts = [[5, 9, 200, 31, 7], list(range(40, 70))]
+    with LLM(artifacts) as llm:
+        results = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    for prompt, result in zip(prompts, results):
+        sequence = EagerSequence(reference)
+        tokens = [int(sequence.run_last(prompt).argmax())]
+        while len(tokens) < 8:
+            tokens.append(int(sequence.run([tokens[-1]])[0].argmax()))
+        assert result.completions[0].token_ids == tokens
+
+
+@pytest.mark.parametrize("target,arch", [("cuda", "sm_80"), ("rocm", "gfx942")])
+def test_gpu_targets_compile_the_int8_export(tiny_int8_artifacts, tmp_path, target, arch):
+    out = tmp_path / f"model_{target}.vmfb"
+    run_kiln("compile-vmfb", str(tiny_int8_artifacts / "model.mlir"), "--target", target, "--arch", arch, "-o", str(out))
+    assert out.stat().st_size > 10_000
+
+
+def test_quantize_with_a_narrow_activation_dtype_is_refused(tiny_hf_dir, tmp_path):
+    result = run_kiln("export-model", "--model", str(tiny_hf_dir), "--output-dir", str(tmp_path / "out"),
+                      "--quantize", "int8", "--dtype", "float16", check=False)
+    assert result.returncode != 0 and "needs --dtype float32" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
