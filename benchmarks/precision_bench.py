@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import statistics
+import time
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +33,11 @@ from benchmarks.peers.common import heavy_lock, log
 
 RESULTS_DIR = Path(__file__).parent / "results"
 PRECISIONS = {"f32": "none", "bf16w": "bf16", "int8": "int8"}
-CONTEXT, PREFILL_TOKENS, PAGES = 128, 512, 160
+CONTEXT, PREFILL_TOKENS, PAGES, GENERATED = 128, 512, 160, 128
 DECODE_BATCHES = (2, 8)
+# The GGUF each precision is paired with in llama.cpp (`--llama-cpp`): its own bf16, and Q8_0
+# (int8 in 32-weight blocks with a float16 scale each) for Kiln's int8.
+LLAMA_CPP_TYPES = {"f32": "f32", "bf16w": "bf16", "int8": "q8_0"}
 
 
 def build(quantize: str) -> Path:
@@ -79,21 +83,53 @@ class Calls:
         return self.program.invoke(f"decode_bs{batch}", np.full((batch, 1), self.first), positions + 1, positions,
                                    self.tables[:batch], self.cache)[0]
 
+    def generation_tok_s(self, rows: int, steps: int = GENERATED) -> float:
+        """llama-batched-bench's decode figure: `rows` sequences' tokens/s over `steps` decode steps
+        from CONTEXT tokens on (the context grows as it goes; no sampling). One row decodes in the
+        batch-2 function beside a padding row, as the server runs a lone sequence."""
+        stride = self.program.params.block_seq_stride
+        batch = max(rows, min(DECODE_BATCHES))
+        blocks = (CONTEXT + steps) // stride + 1
+        tables = np.zeros((batch, blocks), np.int64)
+        tables[:rows] = np.arange(1, 1 + rows * blocks).reshape(rows, blocks)
+        tokens = np.full((batch, 1), self.first)
+        started = time.perf_counter()
+        for step in range(steps):
+            positions = np.full(batch, CONTEXT + step)
+            self.program.invoke(f"decode_bs{batch}", tokens, positions + 1, positions, tables, self.cache)
+        return rows * steps / (time.perf_counter() - started)
 
-def measure(artifacts: dict[str, Path], rounds: int) -> dict:
+
+def measure(artifacts: dict[str, Path], rounds: int, llama_cpp: bool) -> dict:
     from kiln.export.placement import parameter_bytes_by_device
 
     calls = {name: Calls(path) for name, path in artifacts.items()}
     bandwidth = membw.measure()
     names = list(calls)
     times: dict[str, list[dict]] = {name: [] for name in names}
+    peers: dict[str, list[dict]] = {name: [] for name in names}
     for round_index in range(rounds):
         for name in names if round_index % 2 == 0 else names[::-1]:
             c = calls[name]
-            figures = {f"decode_bs{b}_ms": median_ms(lambda b=b: c.decode(b), 30) for b in DECODE_BATCHES}
-            figures["prefill_512_ms"] = median_ms(c.prefill, 3)
-            times[name].append(figures)
-            log(f"round {round_index + 1}: {name} " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items()))
+
+            def kiln(c=c, name=name):
+                figures = {f"decode_bs{b}_ms": median_ms(lambda b=b: c.decode(b), 30) for b in DECODE_BATCHES}
+                figures["prefill_512_ms"] = median_ms(c.prefill, 3)
+                figures.update({f"generate_bs{rows}_tok_s": c.generation_tok_s(rows) for rows in (1, 8)})
+                times[name].append(figures)
+
+            def peer(name=name):
+                from benchmarks.peers import llamacpp
+
+                peers[name].append(llamacpp.batched_bench(LLAMA_CPP_TYPES[name], npp=CONTEXT, ntg=GENERATED,
+                                                          npl="1,8"))
+
+            jobs = (kiln, peer) if llama_cpp else (kiln,)
+            for job in jobs if round_index % 2 == 0 else jobs[::-1]:
+                job()
+            figures = times[name][-1]
+            log(f"round {round_index + 1}: {name} " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items())
+                + (f"; llama.cpp {LLAMA_CPP_TYPES[name]} {peers[name][-1]}" if llama_cpp else ""))
     results = {}
     for name in names:
         parameter_bytes = sum(parameter_bytes_by_device((artifacts[name] / "model.mlir").read_text()).values())
@@ -107,6 +143,11 @@ def measure(artifacts: dict[str, Path], rounds: int) -> dict:
             "greedy_after_prompt": [calls[name].first, *calls[name].greedy],
             "rounds": times[name],
         })
+        if llama_cpp:
+            row["llama_cpp"] = {"type": LLAMA_CPP_TYPES[name], "rounds": peers[name], "ratio": {
+                f"decode_bs{rows}": round(statistics.median(
+                    k[f"generate_bs{rows}_tok_s"] / p[f"decode_bs{rows}_tok_s"] for k, p in zip(times[name], peers[name])), 2)
+                for rows in (1, 8)}}
         if name != "f32":
             row["speedup_vs_f32"] = {key: round(statistics.median(f[key] / o[key] for f, o in zip(times["f32"], times[name])), 2)
                                      for key in times[name][0]}
@@ -117,6 +158,9 @@ def measure(artifacts: dict[str, Path], rounds: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="also run llama.cpp's llama-batched-bench on the matching GGUF in every round (its peer "
+                        "setup builds it on first use, about 20 minutes here)")
     args = parser.parse_args()
     with heavy_lock():
         artifacts = {}
@@ -124,7 +168,7 @@ def main() -> None:
             log(f"building SmolLM2 with {name} weights")
             artifacts[name] = build(quantize)
         log("measuring")
-        report = measure(artifacts, args.rounds)
+        report = measure(artifacts, args.rounds, args.llama_cpp)
     print(f"memory read bandwidth {report['membw']['read_gb_s']:.1f} GB/s")
     print(f"{'weights':<8} {'params MiB':>10} {'resident MiB':>12} {'decode bs2 ms':>13} {'bs8 ms':>7} "
           f"{'prefill 512 ms':>14} {'floor ms':>8} {'of floor':>8}  speed-up vs f32 (bs2 / bs8 / prefill)")
@@ -133,6 +177,11 @@ def main() -> None:
         ups = " / ".join(f"{up[k]:.2f}x" for k in ("decode_bs2_ms", "decode_bs8_ms", "prefill_512_ms")) if up else "-"
         print(f"{name:<8} {r['parameter_mib']:>10} {r['resident_mib']:>12} {r['decode_bs2_ms']:>13} "
               f"{r['decode_bs8_ms']:>7} {r['prefill_512_ms']:>14} {r['floor_step_ms']:>8} {r['of_floor']:>8}  {ups}")
+    if args.llama_cpp:
+        print(f"{'weights':<8} {'llama.cpp':>9} {'Kiln / llama.cpp decode tok/s, batch 1':>40} {'batch 8':>8}")
+        for name, r in report["results"].items():
+            peer = r["llama_cpp"]
+            print(f"{name:<8} {peer['type']:>9} {peer['ratio']['decode_bs1']:>39.2f}x {peer['ratio']['decode_bs8']:>7.2f}x")
     RESULTS_DIR.mkdir(exist_ok=True)
     path = RESULTS_DIR / f"precision-{datetime.date.today()}.json"
     path.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),

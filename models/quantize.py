@@ -144,10 +144,10 @@ def quantize_model(model: nn.Module, mode: str, matmul=eager_weight_matmul) -> n
 
     A replaced weight keeps the device it was placed on (a tensor/pipeline-parallel model's
     placement is a trait of each parameter)."""
-    from iree.turbine.aot import DeviceTensorTrait
-
     if mode == "none":
         return model
+    from iree.turbine.aot import DeviceTensorTrait
+
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear:
