@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from kiln.export.options import LOGITS_NORMALIZATIONS, ExportOptions
-from kiln.runtime.config import DTYPES, QUANTIZATIONS
+from kiln.runtime.config import DTYPES, QUANTIZE_CHOICES
 from kiln.runtime.contract import CONFIG_FILE, PARAMETERS_FILE, TARGETS, TOKENIZER_FILE, vmfb_file
 from kiln.runtime.errors import ExportError
 
@@ -51,9 +51,10 @@ def add_export_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
     parser.add_argument("--kv-cache-dtype", choices=DTYPES, default=defaults.kv_cache_dtype,
                         help="the KV cache's element type (default: --dtype); float16 halves its bytes")
-    parser.add_argument("--quantize", choices=QUANTIZATIONS, default=defaults.quantize,
-                        help="store the weight matmuls' weights as bf16, or int8 with a scale per output row "
-                        "(activations and KV cache stay float32; needs --dtype float32)")
+    parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=defaults.quantize,
+                        help="store the weight matmuls' weights as bf16, int8 with a scale per output row, or "
+                        "int8 in Q8_0's blocks of 32 (activations and KV cache stay float32; needs --dtype "
+                        "float32); auto (default): a Q8_0 or BF16 GGUF's weights as stored, else --dtype")
     parser.add_argument("--prefill-final-logits", action="store_true", help="prefill returns only each row's last logits")
     parser.add_argument("--top-k", type=positive_int, default=None, help="functions return top-k values and ids, not logits")
     parser.add_argument("--logits-normalization", choices=LOGITS_NORMALIZATIONS, default=defaults.logits_normalization)

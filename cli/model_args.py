@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kiln.runtime.config import DTYPES, QUANTIZATIONS
+from kiln.runtime.config import DTYPES, QUANTIZE_CHOICES
 from kiln.runtime.errors import KilnError
 
 
@@ -40,9 +40,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with --model or the default model: the dtype to build")
     group.add_argument("--kv-cache-dtype", choices=DTYPES, default="",
                        help="with --model or the default model: the KV cache's element type (default: --dtype)")
-    group.add_argument("--quantize", choices=QUANTIZATIONS, default=QUANTIZATIONS[0],
-                       help="with --model or the default model: weights stored as bf16, or int8 with a scale per "
-                       "output row (activations stay float32)")
+    group.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=QUANTIZE_CHOICES[0],
+                       help="with --model or the default model: weights stored as bf16, int8 with a scale per "
+                       "output row, or int8 in Q8_0's blocks (activations stay float32); auto (default): a Q8_0 "
+                       "or BF16 GGUF's weights as stored")
     group.add_argument("--tensor-parallel", "--tensor-parallel-size", type=positive_int, default=1,
                        help="with --model or the default model: shard each layer over this many devices")
     group.add_argument("--pipeline-parallel", "--pipeline-parallel-size", type=positive_int, default=1,

@@ -61,7 +61,7 @@ def artifacts_key(model_path: Path | None, options: ExportOptions, extra: dict |
 
 
 def default_build_options(dtype: str = "float32", kv_cache_dtype: str = "", tensor_parallel: int = 1,
-                          pipeline_parallel: int = 1, quantize: str = "none") -> ExportOptions:
+                          pipeline_parallel: int = 1, quantize: str = "auto") -> ExportOptions:
     """What `kiln serve` / `kiln generate` build on first use (and what the tests build):
     one definition, so both land on the same cache key and the model is built once."""
     # 1024 pages of 16 tokens: 16 sequences of 1024 tokens decode at once without

@@ -110,7 +110,7 @@ def build_model(checkpoint: Checkpoint, options: ExportOptions) -> PagedLlama | 
 
 
 def export_model(checkpoint: Checkpoint, options: ExportOptions, output_dir: Path, log=print) -> ExportedModel:
-    options = options.validate(checkpoint.config.max_position_embeddings)
+    options = options.validate(checkpoint.config.max_position_embeddings, checkpoint.stored_quantization)
     c = checkpoint.config
     if c.is_diffusion and options.top_k is not None:
         raise ExportError("--top-k does not apply to a diffusion LM: its sampler reads every masked position")

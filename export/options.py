@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kiln.runtime.config import DTYPES, QUANTIZATIONS
+from kiln.runtime.config import DTYPES, QUANTIZE_CHOICES
 from kiln.runtime.device_layout import DeviceLayout
 from kiln.runtime.errors import ExportError
 
@@ -33,8 +33,9 @@ class ExportOptions:
     # on IREE 3.13's CPU code: the page gather converts per element (benchmarks/NOTES.md).
     kv_cache_dtype: str = ""
     # How the weight matmuls store their weights (models/quantize.py): "none" (as dtype),
-    # "bf16", or "int8" with a scale per output row; activations and KV stay float32.
-    quantize: str = "none"
+    # "bf16", "int8" with a scale per output row, or "q8_0" blocks; activations and KV stay
+    # float32. "auto" (QUANTIZE_CHOICES) is resolved by `validate`.
+    quantize: str = "auto"
     prefill_final_logits: bool = False
     # Also export prefill_last_bs<N>: the same prefill returning only each row's last
     # logits, which the runtime calls unless a request needs every position's (prompt
@@ -56,9 +57,10 @@ class ExportOptions:
     def cache_dtype(self) -> str:
         return self.kv_cache_dtype or self.dtype
 
-    def validate(self, context_length: int) -> "ExportOptions":
-        """These options resolved for a model of `context_length` (sizes sorted, max_seq_len
-        filled in), or an ExportError that names the option at fault."""
+    def validate(self, context_length: int, stored_quantization: str = "none") -> "ExportOptions":
+        """These options resolved for a model of `context_length` whose file stores its weights
+        as `stored_quantization` (sizes sorted, max_seq_len and quantize filled in), or an
+        ExportError that names the option at fault."""
         for name in ("prefill_batch_sizes", "decode_batch_sizes", "denoise_batch_sizes"):
             sizes = getattr(self, name)
             if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
@@ -73,10 +75,13 @@ class ExportOptions:
             raise ExportError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_dtype and self.kv_cache_dtype not in DTYPES:
             raise ExportError(f"kv_cache_dtype must be one of {', '.join(DTYPES)}, got {self.kv_cache_dtype!r}")
-        if self.quantize not in QUANTIZATIONS:
-            raise ExportError(f"quantize must be one of {', '.join(QUANTIZATIONS)}, got {self.quantize!r}")
-        if self.quantize != "none" and self.dtype != "float32":
-            raise ExportError(f"--quantize {self.quantize} keeps activations in float32: it needs --dtype float32, "
+        if self.quantize not in QUANTIZE_CHOICES:
+            raise ExportError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {self.quantize!r}")
+        quantize = self.quantize
+        if quantize == "auto":
+            quantize = stored_quantization if self.dtype == "float32" else "none"
+        if quantize != "none" and self.dtype != "float32":
+            raise ExportError(f"--quantize {quantize} keeps activations in float32: it needs --dtype float32, "
                               f"got {self.dtype}")
         if self.logits_normalization not in LOGITS_NORMALIZATIONS:
             raise ExportError(
@@ -95,7 +100,8 @@ class ExportOptions:
             raise ExportError(f"block_seq_stride {self.block_seq_stride} does not divide max_seq_len {max_seq_len}")
         return replace(self, prefill_batch_sizes=tuple(sorted(set(self.prefill_batch_sizes))),
                        decode_batch_sizes=tuple(sorted(set(self.decode_batch_sizes))),
-                       denoise_batch_sizes=tuple(sorted(set(self.denoise_batch_sizes))), max_seq_len=max_seq_len)
+                       denoise_batch_sizes=tuple(sorted(set(self.denoise_batch_sizes))), max_seq_len=max_seq_len,
+                       quantize=quantize)
 
 
 def parse_batch_sizes(text: str) -> list[int]:

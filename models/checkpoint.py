@@ -23,3 +23,6 @@ class Checkpoint:
     tokenizer_json: str  # the text of a `tokenizers` tokenizer.json
     tokenizer_config: dict[str, Any] = field(default_factory=dict)  # HF tokenizer_config.json
     source: str = ""
+    # The narrow form the file stores every weight matmul's weight in, when Kiln can serve that
+    # form as it is (models/quantize.py): "q8_0" or "bf16" for such a GGUF, else "none".
+    stored_quantization: str = "none"

@@ -253,6 +253,17 @@ def _config_from_metadata(
     )
 
 
+# GGUF types of 2-D weights that Kiln keeps as they are (`--quantize auto`), and the mode each is.
+_KEPT_TYPES = {"Q8_0": "q8_0", "BF16": "bf16"}
+
+
+def stored_quantization(tensor_types: list[str]) -> str:
+    """The quantization mode that serves a GGUF's 2-D weights (types by name) as stored: every
+    one Q8_0, or every one BF16; "none" for anything else (float, or a type Kiln widens)."""
+    kinds = set(tensor_types)
+    return _KEPT_TYPES.get(kinds.pop(), "none") if len(kinds) == 1 else "none"
+
+
 def load_gguf(path: str | Path) -> Checkpoint:
     """Read a GGUF file: config, dequantized float32 tensors in HF names, tokenizer."""
     path = Path(path)
@@ -267,6 +278,7 @@ def load_gguf(path: str | Path) -> Checkpoint:
     embedding_rows = next((int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight"), 0)
     config = _config_from_metadata(meta, tensor_names, path.stem, embedding_rows)
 
+    quantization = stored_quantization([t.tensor_type.name for t in reader.tensors if len(t.shape) == 2])
     tensors: dict[str, np.ndarray] = {}
     rope_freqs = None
     for t in reader.tensors:
@@ -306,6 +318,7 @@ def load_gguf(path: str | Path) -> Checkpoint:
         tokenizer_json=tokenizer_json,
         tokenizer_config=tokenizer_config,
         source=str(path),
+        stored_quantization=quantization,
     )
 
 

@@ -1,4 +1,5 @@
-"""Weights stored narrower than the activations: bfloat16, or int8 with a scale per output row.
+"""Weights stored narrower than the activations: bfloat16; int8 with a scale per output row; or
+int8 in llama.cpp's Q8_0 blocks (a float16 scale per 32 input channels of a row).
 
 Only the weight matmuls and the token embedding change; activations, norms, attention and the
 KV cache stay float32. How a matmul uses the narrow weight depends on the call:
@@ -9,6 +10,7 @@ KV cache stay float32. How a matmul uses the narrow weight depends on the call:
   float32 (AVX512-BF16, GPUs' bf16 tensor cores); int8 quantizes its input too, per token and
   per group of ACTIVATION_GROUP input channels (as llama.cpp's Q8_0 dot products quantize
   theirs per 32), one int8 x int8 -> int32 matmul per group, summed with the groups' scales.
+  Q8_0 groups its input by the weight's own blocks, so each group's sum takes both scales.
 - Many tokens per row (prefill, denoising): compute-bound, so the weight is widened to float32
   and the matmul runs as a float32 one (on this CPU a bf16 or grouped-int8 matmul of 512 rows
   was slower than the float32 one; benchmarks/NOTES.md). The weight's bytes stay narrow.
@@ -16,6 +18,11 @@ KV cache stay float32. How a matmul uses the narrow weight depends on the call:
 int8 weights are scaled symmetrically per output row (scale = max|w| / 127). Quantizing the
 activations per token alone, with no groups, moved SmolLM2's mean log-probability 2.9%; per
 group of 64, 0.6%.
+
+Q8_0 quantizes by ggml's rule (d = max|block| / 127 stored as float16, q = x / d rounded half
+away from zero). Re-quantizing what a Q8_0 GGUF dequantizes to gives back the file's blocks bit
+for bit (its largest |q| in a block is 127, so d comes back exactly): a Q8_0 file is served from
+its own bytes although the GGUF loader hands over float32 tensors.
 
 The narrow kernel is a function the model is given (`matmul`): eager torch runs
 `eager_weight_matmul`; the export passes an IREE custom op with the same arithmetic.
@@ -32,6 +39,7 @@ from kiln.runtime.config import QUANTIZATIONS
 _INT8_MAX = 127.0
 _TINY = 1e-30  # the scale of an all-zero row: any positive value quantizes it to zeros
 ACTIVATION_GROUP = 64  # input channels that share an int8 activation scale
+Q8_0_BLOCK = 32  # input channels per Q8_0 block (ggml's QK8_0)
 
 
 def eager_weight_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -50,20 +58,42 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / scale).clamp(-_INT8_MAX, _INT8_MAX).to(torch.int8), scale
 
 
+def round_half_away(x: torch.Tensor) -> torch.Tensor:
+    """C's roundf, which ggml quantizes with (torch.round rounds halves to even)."""
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 values [N, K] and float16 scales [K / 32, N] (block-major: each group's scales are one
+    row of N, as the decode matmul reads them) of `weight` in Q8_0 blocks, by ggml's rule."""
+    n, k = weight.shape
+    blocks = weight.float().reshape(n, k // Q8_0_BLOCK, Q8_0_BLOCK)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / _INT8_MAX
+    inverse = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    q = round_half_away(blocks * inverse).clamp(-_INT8_MAX, _INT8_MAX).to(torch.int8)
+    return q.reshape(n, k), d.squeeze(-1).to(torch.float16).T.contiguous()
+
+
 def activation_group(k: int) -> int:
     """Input channels per activation scale: ACTIVATION_GROUP where it divides K, else all K."""
     return ACTIVATION_GROUP if k % ACTIVATION_GROUP == 0 else k
 
 
 def widened(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """The float32 weight that stored bytes stand for."""
+    """The float32 weight that stored bytes stand for: bf16 (no scale), int8 with row scales [N],
+    or Q8_0 with block scales [K / 32, N]."""
     w = weight.float()
-    return w if scale is None else w * scale.view(-1, 1)
+    if scale is None:
+        return w
+    if scale.dim() == 1:
+        return w * scale.view(-1, 1)
+    n, k = w.shape
+    return (w.view(n, k // Q8_0_BLOCK, Q8_0_BLOCK) * scale.float().T.unsqueeze(-1)).view(n, k)
 
 
 def weight_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, matmul) -> torch.Tensor:
-    """x [..., T, K] times a stored weight [N, K]^T (bf16, or int8 with row scales [N]): float32
-    [..., T, N]. T is 1 in a decode step (static); a dynamic or larger T is a prefill."""
+    """x [..., T, K] times a stored weight [N, K]^T (see `widened`): float32 [..., T, N]. T is 1
+    in a decode step (static); a dynamic or larger T is a prefill."""
     one_token = isinstance(x.shape[-2], int) and x.shape[-2] == 1
     if not one_token:
         return F.linear(x.float(), widened(weight, scale))
@@ -72,15 +102,22 @@ def weight_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     if weight.dtype == torch.bfloat16:
         out = matmul(rows.to(torch.bfloat16), weight)
     else:
-        group = activation_group(k)
+        blocks = scale.dim() == 2
+        group = Q8_0_BLOCK if blocks else activation_group(k)
         q, row_scale = quantize_rows(rows.float().view(-1, k // group, group))  # [M, G, g], [M, G, 1]
         sums = matmul(q.transpose(0, 1), weight.view(n, k // group, group).transpose(0, 1))  # [G, M, N]
-        out = (sums.float() * row_scale.permute(1, 0, 2)).sum(dim=0) * scale
+        scaled = sums.float() * row_scale.permute(1, 0, 2)
+        if blocks:
+            out = (scaled * scale.float().unsqueeze(1)).sum(dim=0)  # block scales [G, 1, N]
+        else:
+            out = scaled.sum(dim=0) * scale
     return out.view(*x.shape[:-1], n)
 
 
 class QuantizedWeight(nn.Module):
-    """A [N, K] float weight stored as `mode` says; `scale` [N] for int8, None for bf16."""
+    """A [N, K] float weight stored as `mode` says; `scale` [N] for int8, [K / 32, N] for Q8_0,
+    None for bf16. A Q8_0 weight whose K is no multiple of 32 is stored as int8 (llama.cpp
+    falls back to a wider type for such tensors too)."""
 
     def __init__(self, weight: torch.Tensor, mode: str, matmul=eager_weight_matmul):
         super().__init__()
@@ -89,6 +126,9 @@ class QuantizedWeight(nn.Module):
         weight = weight.detach().float()
         if mode == "bf16":
             stored, scale = weight.to(torch.bfloat16), None
+        elif mode == "q8_0" and weight.shape[-1] % Q8_0_BLOCK == 0:
+            stored, block_scale = quantize_q8_0(weight)
+            scale = nn.Parameter(block_scale, requires_grad=False)
         else:
             stored, row_scale = quantize_rows(weight)
             scale = nn.Parameter(row_scale.view(-1), requires_grad=False)
@@ -123,6 +163,10 @@ class QuantizedEmbedding(QuantizedWeight):
         super().__init__(embedding.weight, mode, matmul)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.scale is not None and self.scale.dim() == 2:  # Q8_0: a scale per block of the row
+            n, k = self.weight.shape
+            rows = self.weight[tokens].float().view(*tokens.shape, k // Q8_0_BLOCK, Q8_0_BLOCK)
+            return (rows * self.scale.T[tokens].float().unsqueeze(-1)).view(*tokens.shape, k)
         rows = self.weight[tokens].float()
         return rows if self.scale is None else rows * self.scale[tokens].unsqueeze(-1)
 
@@ -134,7 +178,8 @@ def stacked_linear(layers, x: torch.Tensor) -> torch.Tensor:
     weight = torch.cat([layer.weight for layer in layers])
     if not isinstance(layers[0], QuantizedLinear):
         return F.linear(x, weight, bias)
-    scale = None if layers[0].scale is None else torch.cat([layer.scale for layer in layers])
+    # Row scales [N] and Q8_0's block scales [K / 32, N] both run along N.
+    scale = None if layers[0].scale is None else torch.cat([layer.scale for layer in layers], dim=-1)
     out = weight_product(x, weight, scale, layers[0].matmul)
     return out if bias is None else out + bias
 

@@ -60,6 +60,16 @@ def tiny_gguf(tiny_checkpoint, tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_q8_0_gguf(tiny_checkpoint, tmp_path_factory) -> Path:
+    """The tiny model as a Q8_0 GGUF (every weight matmul and the embedding in 32-value blocks)."""
+    from kiln.models.gguf_writer import write_gguf
+
+    path = tmp_path_factory.mktemp("tiny-q8_0-gguf") / "tiny-q8_0.gguf"
+    write_gguf(tiny_checkpoint, path, dtype="q8_0")
+    return path
+
+
 def _export_and_compile(model: Path, out: Path, export_args=TINY_EXPORT_ARGS) -> Path:
     run_kiln("export-model", "--model", str(model), "--output-dir", str(out), *export_args)
     run_kiln("compile-vmfb", str(out / "model.mlir"), "--target", "cpu", "-o", str(out / "model_cpu.vmfb"))
@@ -100,6 +110,12 @@ def tiny_bf16_artifacts(tiny_hf_dir, tmp_path_factory) -> Path:
 def tiny_int8_artifacts(tiny_hf_dir, tmp_path_factory) -> Path:
     """The tiny model with int8 weights (a scale per output row) and activations quantized per token."""
     return _export_and_compile(tiny_hf_dir, tmp_path_factory.mktemp("tiny-int8"), [*TINY_EXPORT_ARGS, "--quantize", "int8"])
+
+
+@pytest.fixture(scope="session")
+def tiny_q8_0_artifacts(tiny_q8_0_gguf, tmp_path_factory) -> Path:
+    """The tiny Q8_0 GGUF exported as it comes (`--quantize auto`: its own blocks)."""
+    return _export_and_compile(tiny_q8_0_gguf, tmp_path_factory.mktemp("tiny-q8_0"))
 
 
 # The diffusion LMs' export: denoise sizes 1 and 4 (guidance takes two rows), the greedy summaries

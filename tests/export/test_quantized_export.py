@@ -1,7 +1,9 @@
-"""bf16 and int8 weights (`kiln export-model --quantize`) on the tiny model, compiled and run
-through iree.runtime against the same quantization in eager torch, call for call.
+"""bf16, int8 and Q8_0 weights (`kiln export-model --quantize`; Q8_0 from a Q8_0 GGUF as it comes)
+on the tiny model, compiled and run through iree.runtime against the same quantization in eager
+torch, call for call.
 
-Tolerances: int8 is integer arithmetic up to the float32 scaling, so it holds float32's 1e-4.
+Tolerances: int8 and Q8_0 are integer arithmetic up to the float32 scaling, so they hold
+float32's 1e-4.
 bf16 rounds each matmul input to bf16; the compiled code's rounding of an input that lies
 near a bf16 tie can differ from torch's, and one such flip moves a logit by about bf16's unit
 roundoff (2^-8 = 3.9e-3): the bf16 tolerance is that.
@@ -18,6 +20,7 @@ import pytest
 from kiln.export.export_model import build_model
 from kiln.export.options import ExportOptions
 from kiln.export.placement import parameter_bytes_by_device
+from kiln.models.loader import load_checkpoint
 from kiln.runtime import LLM, SamplingParams
 from kiln.runtime.contract import Artifacts
 from kiln.runtime.program import Program
@@ -27,15 +30,20 @@ from tests.paged_driver import PagedDriver, relative_error
 
 pytestmark = pytest.mark.e2e
 
-TOLERANCE = {"bf16": 4e-3, "int8": 1e-4}
+TOLERANCE = {"bf16": 4e-3, "int8": 1e-4, "q8_0": 1e-4}
 
 
-@pytest.fixture(scope="module", params=["bf16", "int8"])
+@pytest.fixture(scope="module", params=["bf16", "int8", "q8_0"])
 def quantized(request, tiny_checkpoint):
     mode = request.param
     artifacts = request.getfixturevalue(f"tiny_{mode}_artifacts")
-    reference = build_model(tiny_checkpoint, ExportOptions(quantize=mode).validate(256))
-    return mode, artifacts, Program(Artifacts.in_directory(artifacts)), reference
+    if mode == "q8_0":  # the GGUF's own blocks, as `--quantize auto` takes them
+        checkpoint = load_checkpoint(request.getfixturevalue("tiny_q8_0_gguf"))
+        options = ExportOptions().validate(256, checkpoint.stored_quantization)
+    else:
+        checkpoint, options = tiny_checkpoint, ExportOptions(quantize=mode).validate(256)
+    assert options.quantize == mode
+    return mode, artifacts, Program(Artifacts.in_directory(artifacts)), build_model(checkpoint, options)
 
 
 def test_every_function_matches_the_eager_quantized_model(quantized):
@@ -77,10 +85,12 @@ def test_weights_are_stored_narrow_and_the_matmul_takes_them_as_they_are(quantiz
     text = (artifacts / "model.mlir").read_text()
     [stored] = parameter_bytes_by_device(text).values()
     [whole] = parameter_bytes_by_device((tiny_artifacts / "model.mlir").read_text()).values()
-    # The norms stay float32 and int8 adds a float32 scale per row: a little over 1/2 and 1/4.
-    assert whole * {"bf16": 0.5, "int8": 0.25}[mode] < stored < whole * {"bf16": 0.52, "int8": 0.3}[mode]
-    element = {"bf16": "bf16", "int8": "i8"}[mode]
-    accumulator = {"bf16": "f32", "int8": "i32"}[mode]
+    # The norms stay float32, int8 adds a float32 scale per row and Q8_0 a float16 one per 32
+    # values: a little over 1/2, 1/4 and 17/64.
+    low = {"bf16": 0.5, "int8": 0.25, "q8_0": 17 / 64}[mode]
+    assert whole * low < stored < whole * (low + 0.03)
+    element = {"bf16": "bf16", "int8": "i8", "q8_0": "i8"}[mode]
+    accumulator = {"bf16": "f32", "int8": "i32", "q8_0": "i32"}[mode]
     narrow_matmul = (rf"linalg\.(?:batch_)?matmul .* ins\([^:]+ : tensor<\S+x{element}>, tensor<(?:\d+x)+{element}>\) "
                      rf"outs\([^:]+ : tensor<\S+x{accumulator}>\)")
     assert len(re.findall(narrow_matmul, text)) >= 4  # q/k/v, o, gate/up, down at least
@@ -102,10 +112,12 @@ def test_the_serving_runtime_generates_the_eager_models_greedy_tokens(quantized)
         assert result.completions[0].token_ids == tokens
 
 
+@pytest.mark.parametrize("mode", ["int8", "q8_0"])
 @pytest.mark.parametrize("target,arch", [("cuda", "sm_80"), ("rocm", "gfx942")])
-def test_gpu_targets_compile_the_int8_export(tiny_int8_artifacts, tmp_path, target, arch):
+def test_gpu_targets_compile_the_integer_exports(request, mode, tmp_path, target, arch):
+    artifacts = request.getfixturevalue(f"tiny_{mode}_artifacts")
     out = tmp_path / f"model_{target}.vmfb"
-    run_kiln("compile-vmfb", str(tiny_int8_artifacts / "model.mlir"), "--target", target, "--arch", arch, "-o", str(out))
+    run_kiln("compile-vmfb", str(artifacts / "model.mlir"), "--target", target, "--arch", arch, "-o", str(out))
     assert out.stat().st_size > 10_000
 
 

@@ -12,8 +12,8 @@ from torch import nn
 from kiln.export.options import ExportOptions
 from kiln.models.llama import PagedLlama
 from kiln.models.quantize import (
-    ACTIVATION_GROUP, QuantizedEmbedding, QuantizedLinear, eager_weight_matmul, quantize_model, quantize_rows,
-    stacked_linear,
+    ACTIVATION_GROUP, Q8_0_BLOCK, QuantizedEmbedding, QuantizedLinear, eager_weight_matmul, quantize_model,
+    quantize_q8_0, quantize_rows, stacked_linear,
 )
 from kiln.models.sharded_llama import ShardedPagedLlama
 from kiln.runtime.device_layout import DeviceLayout
@@ -41,20 +41,28 @@ def test_int8_matmul_is_exact_and_bf16_sums_in_float32():
     torch.testing.assert_close(got, (x.double() @ w.double().T).float(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode,tolerance", [("bf16", 1e-2), ("int8", 3e-2)])
+@pytest.mark.parametrize("mode,tolerance", [("bf16", 1e-2), ("int8", 3e-2), ("q8_0", 2e-2)])
 def test_a_quantized_linear_approximates_the_float_one(mode, tolerance):
     torch.manual_seed(0)
     linear = nn.Linear(64, 96, bias=True)
     quantized = QuantizedLinear(linear, mode)
-    assert quantized.weight.dtype == {"bf16": torch.bfloat16, "int8": torch.int8}[mode]
+    assert quantized.weight.dtype == {"bf16": torch.bfloat16, "int8": torch.int8, "q8_0": torch.int8}[mode]
     assert (quantized.scale is None) == (mode == "bf16")
     x = torch.randn(2, 5, 64)
     with torch.no_grad():
         want, got = linear(x), quantized(x)
     assert got.shape == want.shape and got.dtype == torch.float32
     assert (got - want).abs().max() / want.abs().max() < tolerance
-    # The stored weight stands for the float one to within half a quantization step per row.
-    step = (linear.weight.abs().amax(dim=1, keepdim=True) / 127) if mode == "int8" else linear.weight.abs() / 128
+    # The stored weight stands for the float one to within half a quantization step per row
+    # (per block for Q8_0, whose float16 scale is off by up to 2^-11 of itself, which a value of
+    # up to 127 steps multiplies).
+    if mode == "int8":
+        step = linear.weight.abs().amax(dim=1, keepdim=True) / 127
+    elif mode == "q8_0":
+        blocks = linear.weight.abs().view(96, -1, Q8_0_BLOCK).amax(dim=-1, keepdim=True) / 127
+        step = (blocks * (1 + 2 * 127 * 2**-11)).expand(-1, -1, Q8_0_BLOCK).reshape(96, 64)
+    else:
+        step = linear.weight.abs() / 128
     assert ((quantized.dequantized() - linear.weight).abs() <= step / 2 + 1e-7).all()
 
 
@@ -77,7 +85,37 @@ def test_many_tokens_widen_the_weight_and_one_token_quantizes_its_input_per_grou
     assert (got - one @ layer.dequantized().T).abs().max() < 0.1 * got.abs().max()  # the outlier costs its group
 
 
-@pytest.mark.parametrize("mode", ["bf16", "int8"])
+def test_q8_0_blocks_are_ggmls_and_one_token_sums_each_block_with_both_scales():
+    from gguf import GGMLQuantizationType, quants
+
+    torch.manual_seed(5)
+    weight = torch.randn(24, 3 * Q8_0_BLOCK) * torch.tensor([1e-3, 1, 40]).repeat_interleave(Q8_0_BLOCK)
+    weight[0, :Q8_0_BLOCK] = 0  # an all-zero block: scale 0, values 0
+    values, scales = quantize_q8_0(weight)
+    blocks = quants.quantize(weight.numpy(), GGMLQuantizationType.Q8_0).reshape(24, 3, 34)
+    assert (values.numpy() == blocks[..., 2:].copy().view(np.int8).reshape(24, -1)).all()
+    assert (scales.numpy() == blocks[..., :2].copy().view(np.float16).reshape(24, 3).T).all()
+    layer = QuantizedLinear(nn.Linear(3 * Q8_0_BLOCK, 24, bias=False), "q8_0")
+    layer.weight.data, layer.scale.data = values, scales
+    x = torch.randn(2, 1, 3 * Q8_0_BLOCK)
+    with torch.no_grad():
+        got = layer(x)
+        torch.testing.assert_close(layer(x.expand(2, 3, -1)), x.expand(2, 3, -1) @ layer.dequantized().T)
+    want = torch.zeros(2, 1, 24)
+    for block in range(3):
+        part = x[..., block * Q8_0_BLOCK:(block + 1) * Q8_0_BLOCK]
+        q, scale = quantize_rows(part)
+        w = values[:, block * Q8_0_BLOCK:(block + 1) * Q8_0_BLOCK]
+        want += (q.double() @ w.double().T).float() * scale * scales[block].float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_q8_0_keeps_a_width_that_is_no_multiple_of_32_in_row_scales():
+    layer = QuantizedLinear(nn.Linear(48, 8, bias=False), "q8_0")
+    assert layer.weight.dtype == torch.int8 and layer.scale.shape == (8,)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8", "q8_0"])
 def test_stacked_layers_give_each_layers_output(mode):
     torch.manual_seed(1)
     layers = [QuantizedLinear(nn.Linear(32, n, bias=True), mode) for n in (48, 16, 16)]
@@ -102,7 +140,7 @@ def test_a_quantized_embedding_looks_up_and_projects_with_the_same_rows():
 
 
 @pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("mode", ["bf16", "int8"])
+@pytest.mark.parametrize("mode", ["bf16", "int8", "q8_0"])
 def test_every_weight_matmul_of_a_model_is_replaced(mode, tied):
     checkpoint = make_tiny_checkpoint(seed=3, tie_word_embeddings=tied)
     model = PagedLlama(checkpoint.config, block_seq_stride=8).load_tensors(checkpoint.tensors).eval()
@@ -115,8 +153,8 @@ def test_every_weight_matmul_of_a_model_is_replaced(mode, tied):
     assert not [m for m in model.modules() if type(m) in (nn.Linear, nn.Embedding)]
     assert (model.lm_head is None) == tied
     stored = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert stored < float_bytes * {"bf16": 0.55, "int8": 0.3}[mode]
-    assert (got - want).abs().max() / want.abs().max() < {"bf16": 2e-2, "int8": 6e-2}[mode]
+    assert stored < float_bytes * {"bf16": 0.55, "int8": 0.3, "q8_0": 0.3}[mode]
+    assert (got - want).abs().max() / want.abs().max() < {"bf16": 2e-2, "int8": 6e-2, "q8_0": 6e-2}[mode]
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
 
 
@@ -139,3 +177,56 @@ def test_quantize_is_checked_before_any_work():
     with pytest.raises(ExportError, match="needs --dtype float32"):
         ExportOptions(quantize="int8", dtype="float16").validate(256)
     assert ExportOptions(quantize="bf16", kv_cache_dtype="float16").validate(256).quantize == "bf16"
+
+
+@pytest.mark.parametrize("dtype,stored,resolved", [
+    ("float32", "q8_0", "q8_0"), ("float32", "bf16", "bf16"), ("float32", "none", "none"),
+    ("float16", "q8_0", "none"),  # narrow activations: the file's blocks are widened to the dtype
+])
+def test_auto_takes_the_files_own_quantization_where_activations_stay_float32(dtype, stored, resolved):
+    assert ExportOptions(dtype=dtype).validate(256, stored).quantize == resolved
+    assert ExportOptions(quantize="int8").validate(256, stored).quantize == "int8"  # an explicit mode wins
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_q8_0_gguf_is_served_from_its_own_blocks(tmp_path, tied):
+    """Every block of a Q8_0 file (values and float16 scale) is what the export stores, byte for
+    byte, and the weights the blocks stand for are gguf-py's dequantization of them."""
+    from gguf import GGMLQuantizationType, GGUFReader, quants
+
+    from kiln.export.export_model import build_model
+    from kiln.models.gguf_loader import hf_tensor_name, unpermute_qk
+    from kiln.models.gguf_writer import write_gguf
+    from kiln.models.loader import load_checkpoint
+
+    path = write_gguf(make_tiny_checkpoint(seed=6, tie_word_embeddings=tied), tmp_path / "tiny-q8_0.gguf", dtype="q8_0")
+    checkpoint = load_checkpoint(path)
+    assert checkpoint.stored_quantization == "q8_0"
+    model = build_model(checkpoint, ExportOptions().validate(256, checkpoint.stored_quantization))
+    config, checked = checkpoint.config, 0
+    for tensor in GGUFReader(path).tensors:
+        if len(tensor.shape) != 2:
+            continue
+        assert tensor.tensor_type == GGMLQuantizationType.Q8_0
+        rows = int(tensor.shape[1])
+        blocks = np.asarray(tensor.data).reshape(rows, -1, 34)
+        values, scales = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1), blocks[..., :2].copy().view(np.float16)
+        floats = quants.dequantize(np.asarray(tensor.data), GGMLQuantizationType.Q8_0).reshape(rows, -1)
+        if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
+            heads = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
+            values, scales, floats = (unpermute_qk(a, heads) for a in (values, scales, floats))
+        module = model.get_submodule(hf_tensor_name(tensor.name).removesuffix(".weight"))
+        assert (module.weight.numpy() == values).all(), tensor.name
+        assert module.scale.dtype == torch.float16 and (module.scale.numpy().T == scales.reshape(rows, -1)).all()
+        assert (module.dequantized().numpy() == floats).all(), tensor.name
+        checked += 1
+    assert checked == 2 + 7 * config.num_hidden_layers - tied
+
+
+def test_the_files_quantization_is_kept_only_when_every_weight_has_it():
+    from kiln.models.gguf_loader import stored_quantization
+
+    assert stored_quantization(["Q8_0"] * 5) == "q8_0"
+    assert stored_quantization(["BF16"] * 5) == "bf16"
+    assert stored_quantization(["Q4_1"] * 4 + ["Q8_0"]) == "none"  # llama.cpp's Q4_1 files keep one Q8_0 tensor
+    assert stored_quantization(["F16", "F32"]) == "none"
