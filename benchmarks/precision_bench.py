@@ -1,5 +1,5 @@
-"""SmolLM2-135M with float32, bf16 and int8 weights (`--quantize`): the raw compiled calls side by
-side, in paired rounds, with the memory-bandwidth floor each precision's weight bytes set.
+"""SmolLM2-135M with float32, bf16, int8 and Q8_0 weights (`--quantize`): the raw compiled calls
+side by side, in paired rounds, with the memory-bandwidth floor each precision's weight bytes set.
 
     python -m benchmarks.precision_bench [--rounds 5]
 
@@ -32,12 +32,13 @@ from benchmarks.kiln_offline import build_in_child, median_ms
 from benchmarks.peers.common import heavy_lock, log
 
 RESULTS_DIR = Path(__file__).parent / "results"
-PRECISIONS = {"f32": "none", "bf16w": "bf16", "int8": "int8"}
+PRECISIONS = {"f32": "none", "bf16w": "bf16", "int8": "int8", "q8_0": "q8_0"}
 CONTEXT, PREFILL_TOKENS, PAGES, GENERATED = 128, 512, 160, 128
 DECODE_BATCHES = (2, 8)
 # The GGUF each precision is paired with in llama.cpp (`--llama-cpp`): its own bf16, and Q8_0
-# (int8 in 32-weight blocks with a float16 scale each) for Kiln's int8.
-LLAMA_CPP_TYPES = {"f32": "f32", "bf16w": "bf16", "int8": "q8_0"}
+# (int8 in 32-weight blocks with a float16 scale each) for Kiln's int8 and Q8_0. Kiln's Q8_0
+# blocks are those of llama.cpp's file: both quantize the same float32 weights by ggml's rule.
+LLAMA_CPP_TYPES = {"f32": "f32", "bf16w": "bf16", "int8": "q8_0", "q8_0": "q8_0"}
 
 
 def build(quantize: str) -> Path:
@@ -121,8 +122,9 @@ def measure(artifacts: dict[str, Path], rounds: int, llama_cpp: bool) -> dict:
             def peer(name=name):
                 from benchmarks.peers import llamacpp
 
-                peers[name].append(llamacpp.batched_bench(LLAMA_CPP_TYPES[name], npp=CONTEXT, ntg=GENERATED,
-                                                          npl="1,8"))
+                figures = llamacpp.batched_bench(LLAMA_CPP_TYPES[name], npp=CONTEXT, ntg=GENERATED, npl="1,8")
+                prefill = llamacpp.batched_bench(LLAMA_CPP_TYPES[name], npp=PREFILL_TOKENS, ntg=1, npl="1")
+                peers[name].append({**figures, "prefill_512_ms": prefill["prefill_bs1_ms"]})
 
             jobs = (kiln, peer) if llama_cpp else (kiln,)
             for job in jobs if round_index % 2 == 0 else jobs[::-1]:
@@ -144,10 +146,13 @@ def measure(artifacts: dict[str, Path], rounds: int, llama_cpp: bool) -> dict:
             "rounds": times[name],
         })
         if llama_cpp:
-            row["llama_cpp"] = {"type": LLAMA_CPP_TYPES[name], "rounds": peers[name], "ratio": {
-                f"decode_bs{rows}": round(statistics.median(
-                    k[f"generate_bs{rows}_tok_s"] / p[f"decode_bs{rows}_tok_s"] for k, p in zip(times[name], peers[name])), 2)
-                for rows in (1, 8)}}
+            ratio = {f"decode_bs{rows}": round(statistics.median(
+                k[f"generate_bs{rows}_tok_s"] / p[f"decode_bs{rows}_tok_s"] for k, p in zip(times[name], peers[name])), 2)
+                for rows in (1, 8)}
+            # Prefill as a time ratio, Kiln's over llama.cpp's: below 1 is Kiln ahead.
+            ratio["prefill_512_time"] = round(statistics.median(
+                k["prefill_512_ms"] / p["prefill_512_ms"] for k, p in zip(times[name], peers[name])), 2)
+            row["llama_cpp"] = {"type": LLAMA_CPP_TYPES[name], "rounds": peers[name], "ratio": ratio}
         if name != "f32":
             row["speedup_vs_f32"] = {key: round(statistics.median(f[key] / o[key] for f, o in zip(times["f32"], times[name])), 2)
                                      for key in times[name][0]}
@@ -178,10 +183,12 @@ def main() -> None:
         print(f"{name:<8} {r['parameter_mib']:>10} {r['resident_mib']:>12} {r['decode_bs2_ms']:>13} "
               f"{r['decode_bs8_ms']:>7} {r['prefill_512_ms']:>14} {r['floor_step_ms']:>8} {r['of_floor']:>8}  {ups}")
     if args.llama_cpp:
-        print(f"{'weights':<8} {'llama.cpp':>9} {'Kiln / llama.cpp decode tok/s, batch 1':>40} {'batch 8':>8}")
+        print(f"{'weights':<8} {'llama.cpp':>9} {'Kiln / llama.cpp decode tok/s, batch 1':>40} {'batch 8':>8} "
+              f"{'prefill 512 time':>17}")
         for name, r in report["results"].items():
             peer = r["llama_cpp"]
-            print(f"{name:<8} {peer['type']:>9} {peer['ratio']['decode_bs1']:>39.2f}x {peer['ratio']['decode_bs8']:>7.2f}x")
+            print(f"{name:<8} {peer['type']:>9} {peer['ratio']['decode_bs1']:>39.2f}x {peer['ratio']['decode_bs8']:>7.2f}x "
+                  f"{peer['ratio']['prefill_512_time']:>16.2f}x")
     RESULTS_DIR.mkdir(exist_ok=True)
     path = RESULTS_DIR / f"precision-{datetime.date.today()}.json"
     path.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),

@@ -49,9 +49,9 @@ def _serving(proc: subprocess.Popen, port: int, backend: str):
         stop_process(proc)
 
 
-def kiln_server(dtype: str = "float32", prefix_sharing: str = "trie"):
-    """`kiln serve` on the artifacts `kiln serve --dtype` builds by default."""
-    artifacts = kiln_offline.build_artifacts(dtype)
+def kiln_server(dtype: str = "float32", prefix_sharing: str = "trie", quantize: str = "auto"):
+    """`kiln serve` on the artifacts `kiln serve --dtype --quantize` builds by default."""
+    artifacts = kiln_offline.build_artifacts(dtype, quantize)
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "kiln.cli.main", "serve", "--artifacts", str(artifacts), "--port", str(port),
@@ -79,10 +79,18 @@ def shortfin_server():
 SERVERS = {
     "kiln f32": lambda: kiln_server("float32"),
     "kiln f16": lambda: kiln_server("float16"),
+    "kiln bf16w": lambda: kiln_server("float32", quantize="bf16"),
+    "kiln int8": lambda: kiln_server("float32", quantize="int8"),
+    "kiln q8_0": lambda: kiln_server("float32", quantize="q8_0"),
     "llama.cpp f32": lambda: llamacpp_server("f32"),
     "llama.cpp f16": lambda: llamacpp_server("f16"),
+    "llama.cpp bf16": lambda: llamacpp_server("bf16"),
+    "llama.cpp q8_0": lambda: llamacpp_server("q8_0"),
     "shortfin f32": shortfin_server,
 }
+# The serving step's default: each engine at its float widths (the narrow weights' servers are
+# compared in the paired step, e.g. --paired "kiln q8_0,llama.cpp q8_0").
+DEFAULT_SERVERS = ("kiln f32", "kiln f16", "llama.cpp f32", "llama.cpp f16", "shortfin f32")
 
 
 # -- steps --------------------------------------------------------------------------------------
@@ -99,7 +107,8 @@ def step_offline(results: dict, args) -> None:
     if "kiln" in args.engines:
         jobs += [("kiln f32", lambda: kiln_offline.run("float32")), ("kiln f16", lambda: kiln_offline.run("float16")),
                  ("kiln bf16w", lambda: kiln_offline.run("float32", "bf16")),
-                 ("kiln int8", lambda: kiln_offline.run("float32", "int8"))]
+                 ("kiln int8", lambda: kiln_offline.run("float32", "int8")),
+                 ("kiln q8_0", lambda: kiln_offline.run("float32", "q8_0"))]
     if "llama.cpp" in args.engines:
         from benchmarks.peers import llamacpp
 
@@ -150,7 +159,7 @@ def best_of_rounds(rounds: list[dict]) -> dict:
 def _weight_bytes() -> dict[str, int]:
     """Bytes a batch-1 decode step must read: every parameter once (a tied embedding is read
     whole by the output projection), at 4 bytes (f32), 2 (f16, bf16), or 1 and a scale per 32
-    (llama.cpp's Q8_0; Kiln's int8 has one per row, about 1 byte)."""
+    (Q8_0, Kiln's and llama.cpp's; Kiln's int8 has one per row, about 1 byte)."""
     from kiln.runtime.config import ModelParams  # noqa: F401  (the runtime's view of the export)
     from benchmarks.peers import weights
 
@@ -303,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", default=",".join(ALL_STEPS))
     parser.add_argument("--engines", default=",".join(ALL_ENGINES))
-    parser.add_argument("--servers", default=",".join(SERVERS), help="serving runs, e.g. 'kiln f32,shortfin f32'")
+    parser.add_argument("--servers", default=",".join(DEFAULT_SERVERS),
+                        help=f"serving runs, e.g. 'kiln f32,shortfin f32'; any of: {', '.join(SERVERS)}")
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--rates", default="0.5,1,2,4", help="Poisson request rates (req/s)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the request counts")

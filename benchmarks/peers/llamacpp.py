@@ -123,7 +123,8 @@ def offline(dtype: str = "f32") -> dict:
 
 def batched_bench(dtype: str = "f32", npp: int = 128, ntg: int = 128, npl: str = "1,8") -> dict:
     """llama.cpp's own `llama-batched-bench` (random tokens, no sampling, one run each):
-    aggregate decode tokens/s for each batch size in `npl`, a cross-check of offline()."""
+    aggregate decode tokens/s for each batch size in `npl`, a cross-check of offline(), and
+    the time its `npp`-token prompts took (prefill_bs<N>_ms)."""
     from . import weights
 
     setup()
@@ -134,7 +135,8 @@ def batched_bench(dtype: str = "f32", npp: int = 128, ntg: int = 128, npl: str =
     with heavy_lock():
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    return {f"decode_bs{r['pl']}_tok_s": round(r["speed_tg"], 2) for r in rows}
+    return {**{f"decode_bs{r['pl']}_tok_s": round(r["speed_tg"], 2) for r in rows},
+            **{f"prefill_bs{r['pl']}_ms": round(1000 * r["t_pp"], 2) for r in rows}}
 
 
 def start_server(dtype: str, port: int, parallel: int = 16, ctx_per_slot: int = SLOT_CTX,
