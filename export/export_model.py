@@ -32,7 +32,7 @@ from kiln.runtime.errors import ExportError
 from .exporter import TORCH_DTYPES, trace_module
 from .options import ExportOptions
 from .page_gather import gather_pages
-from .weight_matmul import weight_matmul
+from .weight_matmul import weight_matmul_kernel
 
 ARTIFACT_NAMES = (MLIR_FILE, PARAMETERS_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
 
@@ -106,7 +106,7 @@ def build_model(checkpoint: Checkpoint, options: ExportOptions) -> PagedLlama | 
         raise ExportError(f"the checkpoint's tensors do not fit its config: {error}") from None
     if options.layout.device_count > 1:
         model = ShardedPagedLlama(model, options.layout)
-    return quantize_model(model, options.quantize, weight_matmul).eval()
+    return quantize_model(model, options.quantize, weight_matmul_kernel).eval()
 
 
 def export_model(checkpoint: Checkpoint, options: ExportOptions, output_dir: Path, log=print) -> ExportedModel:

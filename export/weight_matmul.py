@@ -7,6 +7,10 @@ kernels on llvm-cpu (AVX512-BF16 dot products; VNNI for int8). Torch cannot expr
 bf16 and int8 matmuls return their input type), so the export emits it through an
 iree-turbine custom op. Eager torch runs the same arithmetic in wider types, the model's own
 default (models/quantize.py).
+
+`scaled_weight_matmul` is the int8 batch form with each sum scaled by its column's scale (a
+Q8_0 block's), in the matmul's own dispatch: the caller's sum over the blocks is then the int8
+form's. `weight_matmul_kernel` is what the model is given: one call for both ops.
 """
 
 from __future__ import annotations
@@ -76,3 +80,60 @@ util.func private @{name}(%x: {x_type}, %w: {w_type}) -> {out_type} {{
 }}
 }}"""
         emit_function(kb, name, text)
+
+
+@CustomOp.register(library=KILN_LIBRARY)
+class scaled_weight_matmul(CustomOp):
+    """x [B, M, K] @ w [B, N, K]^T, int8, as float32 times w_scale [B, 1, N]."""
+
+    signature = "scaled_weight_matmul(Tensor x, Tensor w, Tensor w_scale) -> Tensor"
+
+    def select(self, ksel: KernelSelection):
+        x, w, w_scale = (ksel.arg_tensor(i) for i in range(3))
+        torch._check(x.t.dtype == w.t.dtype == torch.int8 and x.t.dim() == w.t.dim() == 3,
+                     lambda: f"scaled_weight_matmul: int8 batches x [B, M, K] and w [B, N, K], got {x.t.dtype}, {w.t.dtype}")
+        torch._check(w_scale.t.dtype == torch.float32, lambda: "scaled_weight_matmul: float32 scales")
+        for arg in (x, w, w_scale):
+            arg.specialize_dims(*static_dims(arg))
+        result = ksel.return_new_tensor([x.t.shape[0], x.t.shape[1], w.t.shape[1]], torch.float32)
+        result.specialize_dims(*static_dims(result))
+
+    def eager_execute(self, x, w, w_scale):
+        return eager_weight_matmul(x, w, w_scale)
+
+    def generate(self, ksel: KernelSelection, kb: KernelBuilder):
+        x, w, w_scale = kb.arg_bindings
+        x_type, w_type, ws_type = (ir.RankedTensorType(arg.type) for arg in (x, w, w_scale))
+        dynamic = ir.ShapedType.get_dynamic_size()
+        torch._check(dynamic not in (*x_type.shape, *w_type.shape), lambda: "scaled_weight_matmul: static shapes only")
+        b, m, n = x_type.shape[0], x_type.shape[1], w_type.shape[1]
+        sums_type = f"tensor<{b}x{m}x{n}xi32>"
+        out_type = f"tensor<{b}x{m}x{n}xf32>"
+        name = f"kiln_scaled_weight_matmul_{type_ident(x_type, w_type)}"
+        text = f"""module {{
+util.func private @{name}(%x: {x_type}, %w: {w_type}, %ws: {ws_type}) -> {out_type} {{
+  %empty = tensor.empty() : {sums_type}
+  %zero = arith.constant 0 : i32
+  %acc = linalg.fill ins(%zero : i32) outs(%empty : {sums_type}) -> {sums_type}
+  %sums = linalg.batch_matmul indexing_maps = [affine_map<(b, m, n, k) -> (b, m, k)>,
+      affine_map<(b, m, n, k) -> (b, n, k)>, affine_map<(b, m, n, k) -> (b, m, n)>]
+      ins(%x, %w : {x_type}, {w_type}) outs(%acc : {sums_type}) -> {sums_type}
+  %out_empty = tensor.empty() : {out_type}
+  %scaled = linalg.generic {{indexing_maps = [affine_map<(b, m, n) -> (b, m, n)>,
+      affine_map<(b, m, n) -> (b, 0, n)>, affine_map<(b, m, n) -> (b, m, n)>],
+      iterator_types = ["parallel", "parallel", "parallel"]}}
+      ins(%sums, %ws : {sums_type}, {ws_type}) outs(%out_empty : {out_type}) {{
+  ^bb0(%s: i32, %c: f32, %o: f32):
+    %f = arith.sitofp %s : i32 to f32
+    %q = arith.mulf %f, %c : f32
+    linalg.yield %q : f32
+  }} -> {out_type}
+  util.return %scaled : {out_type}
+}}
+}}"""
+        emit_function(kb, name, text)
+
+
+def weight_matmul_kernel(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """`eager_weight_matmul`'s contract, as the export's custom ops."""
+    return weight_matmul(x, w) if w_scale is None else scaled_weight_matmul(x, w, w_scale)

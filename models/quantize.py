@@ -1,5 +1,5 @@
 """Weights stored narrower than the activations: bfloat16; int8 with a scale per output row; or
-int8 in llama.cpp's Q8_0 blocks (a float16 scale per 32 input channels of a row).
+int8 in llama.cpp's Q8_0 blocks (a scale per 32 input channels of a row).
 
 Only the weight matmuls and the token embedding change; activations, norms, attention and the
 KV cache stay float32. How a matmul uses the narrow weight depends on the call:
@@ -19,10 +19,12 @@ int8 weights are scaled symmetrically per output row (scale = max|w| / 127). Qua
 activations per token alone, with no groups, moved SmolLM2's mean log-probability 2.9%; per
 group of 64, 0.6%.
 
-Q8_0 quantizes by ggml's rule (d = max|block| / 127 stored as float16, q = x / d rounded half
+Q8_0 quantizes by ggml's rule (d = max|block| / 127 rounded to float16, q = x / d rounded half
 away from zero). Re-quantizing what a Q8_0 GGUF dequantizes to gives back the file's blocks bit
 for bit (its largest |q| in a block is 127, so d comes back exactly): a Q8_0 file is served from
-its own bytes although the GGUF loader hands over float32 tensors.
+its own values although the GGUF loader hands over float32 tensors. The scales are kept as
+float32 (each float16 scale exactly): IREE 3.13's CPU code widens float16 element by element,
+which made the decode matmuls' scaling, done in float16, 3x slower than the matmuls.
 
 The narrow kernel is a function the model is given (`matmul`): eager torch runs
 `eager_weight_matmul`; the export passes an IREE custom op with the same arithmetic.
@@ -42,13 +44,15 @@ ACTIVATION_GROUP = 64  # input channels that share an int8 activation scale
 Q8_0_BLOCK = 32  # input channels per Q8_0 block (ggml's QK8_0)
 
 
-def eager_weight_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def eager_weight_matmul(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., M, K] @ w [..., N, K]^T (batched alike) for bf16 inputs (float32 result) or int8
-    ones (int32, exact)."""
+    ones (int32, exact). With w_scale (int8 only; [..., 1, N]), the sums come back as float32
+    times their column's scale."""
     if x.dtype == torch.int8:
         # float64 sums of int8 products are exact far past any model's K (|sum| < 2^53), and
         # unlike an int32 matmul they run as BLAS.
-        return (x.double() @ w.double().transpose(-1, -2)).to(torch.int32)
+        sums = (x.double() @ w.double().transpose(-1, -2)).to(torch.int32)
+        return sums if w_scale is None else sums.float() * w_scale
     return x.float() @ w.float().transpose(-1, -2)
 
 
@@ -64,14 +68,15 @@ def round_half_away(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 values [N, K] and float16 scales [K / 32, N] (block-major: each group's scales are one
-    row of N, as the decode matmul reads them) of `weight` in Q8_0 blocks, by ggml's rule."""
+    """int8 values [N, K] and scales [K / 32, N] (float16 values, held as float32; block-major:
+    each group's scales are one row of N, as the decode matmul reads them) of `weight` in Q8_0
+    blocks, by ggml's rule."""
     n, k = weight.shape
     blocks = weight.float().reshape(n, k // Q8_0_BLOCK, Q8_0_BLOCK)
     d = blocks.abs().amax(dim=-1, keepdim=True) / _INT8_MAX
     inverse = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
     q = round_half_away(blocks * inverse).clamp(-_INT8_MAX, _INT8_MAX).to(torch.int8)
-    return q.reshape(n, k), d.squeeze(-1).to(torch.float16).T.contiguous()
+    return q.reshape(n, k), d.squeeze(-1).to(torch.float16).float().T.contiguous()
 
 
 def activation_group(k: int) -> int:
@@ -88,7 +93,7 @@ def widened(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     if scale.dim() == 1:
         return w * scale.view(-1, 1)
     n, k = w.shape
-    return (w.view(n, k // Q8_0_BLOCK, Q8_0_BLOCK) * scale.float().T.unsqueeze(-1)).view(n, k)
+    return (w.view(n, k // Q8_0_BLOCK, Q8_0_BLOCK) * scale.T.unsqueeze(-1)).view(n, k)
 
 
 def weight_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, matmul) -> torch.Tensor:
@@ -105,12 +110,17 @@ def weight_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
         blocks = scale.dim() == 2
         group = Q8_0_BLOCK if blocks else activation_group(k)
         q, row_scale = quantize_rows(rows.float().view(-1, k // group, group))  # [M, G, g], [M, G, 1]
-        sums = matmul(q.transpose(0, 1), weight.view(n, k // group, group).transpose(0, 1))  # [G, M, N]
-        scaled = sums.float() * row_scale.permute(1, 0, 2)
+        q, w = q.transpose(0, 1), weight.view(n, k // group, group).transpose(0, 1)  # [G, M, g], [G, N, g]
         if blocks:
-            out = (scaled * scale.float().unsqueeze(1)).sum(dim=0)  # block scales [G, 1, N]
+            # Each block's sum takes its weight scale in the matmul's own call, so what is
+            # left is the int8 form's sum over blocks: with both scales in one expression
+            # over the block axis, IREE 3.13's CPU code for it ran ~10x slower than the matmul.
+            sums = matmul(q, w, scale.unsqueeze(1))  # [G, M, N], block scales [G, 1, N] applied
         else:
-            out = scaled.sum(dim=0) * scale
+            sums = matmul(q, w).float()  # [G, M, N]
+        out = (sums * row_scale.permute(1, 0, 2)).sum(dim=0)
+        if not blocks:
+            out = out * scale
     return out.view(*x.shape[:-1], n)
 
 
@@ -166,7 +176,7 @@ class QuantizedEmbedding(QuantizedWeight):
         if self.scale is not None and self.scale.dim() == 2:  # Q8_0: a scale per block of the row
             n, k = self.weight.shape
             rows = self.weight[tokens].float().view(*tokens.shape, k // Q8_0_BLOCK, Q8_0_BLOCK)
-            return (rows * self.scale.T[tokens].float().unsqueeze(-1)).view(*tokens.shape, k)
+            return (rows * self.scale.T[tokens].unsqueeze(-1)).view(*tokens.shape, k)
         rows = self.weight[tokens].float()
         return rows if self.scale is None else rows * self.scale[tokens].unsqueeze(-1)
 
