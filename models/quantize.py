@@ -22,9 +22,9 @@ group of 64, 0.6%.
 Q8_0 quantizes by ggml's rule (d = max|block| / 127 rounded to float16, q = x / d rounded half
 away from zero). Re-quantizing what a Q8_0 GGUF dequantizes to gives back the file's blocks bit
 for bit (its largest |q| in a block is 127, so d comes back exactly): a Q8_0 file is served from
-its own values although the GGUF loader hands over float32 tensors. The scales are kept as
-float32 (each float16 scale exactly): IREE 3.13's CPU code widens float16 element by element,
-which made the decode matmuls' scaling, done in float16, 3x slower than the matmuls.
+its own values although the GGUF loader hands over float32 tensors. The scales are held as
+float32 (each float16 scale exactly): IREE 3.13 widened a float16 table on every call rather
+than once, 1.9 ms of a decode step for the tied embedding's.
 
 The narrow kernel is a function the model is given (`matmul`): eager torch runs
 `eager_weight_matmul`; the export passes an IREE custom op with the same arithmetic.
