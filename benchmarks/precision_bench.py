@@ -154,8 +154,10 @@ def measure(artifacts: dict[str, Path], rounds: int, llama_cpp: bool) -> dict:
                 k["prefill_512_ms"] / p["prefill_512_ms"] for k, p in zip(times[name], peers[name])), 2)
             row["llama_cpp"] = {"type": LLAMA_CPP_TYPES[name], "rounds": peers[name], "ratio": ratio}
         if name != "f32":
-            row["speedup_vs_f32"] = {key: round(statistics.median(f[key] / o[key] for f, o in zip(times["f32"], times[name])), 2)
-                                     for key in times[name][0]}
+            # Times divide float32's by this precision's, rates this one's by float32's: above 1 is faster.
+            row["speedup_vs_f32"] = {key: round(statistics.median(
+                (o[key] / f[key]) if key.endswith("_tok_s") else (f[key] / o[key])
+                for f, o in zip(times["f32"], times[name])), 2) for key in times[name][0]}
         results[name] = row
     return {"membw": bandwidth, "results": results}
 
