@@ -114,7 +114,8 @@ def weight_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
         if blocks:
             # Each block's sum takes its weight scale in the matmul's own call, so what is
             # left is the int8 form's sum over blocks: with both scales in one expression
-            # over the block axis, IREE 3.13's CPU code for it ran ~10x slower than the matmul.
+            # over the block axis, IREE 3.13's CPU code for it took 95-125 us per weight
+            # matmul, about 20x the int8 form's sum (benchmarks/NOTES.md).
             sums = matmul(q, w, scale.unsqueeze(1))  # [G, M, N], block scales [G, 1, N] applied
         else:
             sums = matmul(q, w).float()  # [G, M, N]
