@@ -1,8 +1,9 @@
 """Which replica probably holds which pages, and the choice of a replica for a request.
 
 The table is what the front has sent where: each replica's page hashes, least recently
-routed first out once a replica's share exceeds its KV cache's page count (its trie evicts
-least recently used pages too, so the two stay close). It is an estimate kept without
+routed first out once a replica's share exceeds its KV cache's page count, a prefix's
+deepest pages before its leading ones (its trie evicts least recently used leaves too, so
+the two stay close). It is an estimate kept without
 asking the replicas, as SGLang's and Ray's prefix-aware routers keep theirs.
 
 The choice (SGLang's cache-aware policy, on pages): when the replicas' loads differ by more
@@ -71,9 +72,12 @@ class PrefixTable:
         return len(self._pages.get(replica, ()))
 
     def record(self, replica: Hashable, hashes: list[int]) -> None:
-        """The replica is about to cache these pages: they become its most recently used."""
+        """The replica is about to cache these pages: they become its most recently used, the
+        leading page last, so a prefix loses its deepest pages first, as the replica's trie
+        evicts leaves first. (Leading page first out would end the prefix's match at page 0
+        while the rest of it is still held.)"""
         pages = self._pages.setdefault(replica, collections.OrderedDict())
-        for h in hashes:
+        for h in reversed(hashes):
             pages[h] = None
             pages.move_to_end(h)
         while len(pages) > self.pages_per_replica:

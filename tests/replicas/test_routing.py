@@ -92,7 +92,22 @@ def test_the_table_forgets_least_recently_routed_pages_beyond_a_replicas_share()
     table.record("a", old)
     table.record("a", new)
     assert table.page_count("a") == 4
-    assert table.matched_pages("a", new) == 3 and table.matched_pages("a", old) == 0
+    # The old prefix loses its deepest pages first: its leading page still matches.
+    assert table.matched_pages("a", new) == 3 and table.matched_pages("a", old) == 1
+    table.record("a", page_hashes(list(range(200, 248)), 16))
+    assert table.matched_pages("a", old) == 0 and table.matched_pages("a", new) == 1
+
+
+def test_a_prefix_in_use_keeps_its_leading_pages_while_follow_ups_overflow_the_share():
+    """Follow-ups each add a page of their own; the shared prefix they all start with stays
+    matched from its first page, so they keep going to the replica holding it."""
+    table = PrefixTable(pages_per_replica=12)
+    prefix = list(range(160))
+    table.record("a", page_hashes(prefix, 16))
+    for n in range(8):
+        table.record("a", page_hashes(prefix + list(range(1000 + 16 * n, 1016 + 16 * n)), 16))
+        table.record("a", page_hashes(list(range(5000 + 32 * n, 5032 + 32 * n)), 16))  # other prefixes
+    assert table.matched_pages("a", page_hashes(prefix, 16)) >= 5
 
 
 def test_round_robin_takes_turns():
