@@ -1,7 +1,8 @@
-"""SmolLM2-135M with float32, bf16, int8 and Q8_0 weights (`--quantize`): the raw compiled calls
-side by side, in paired rounds, with the memory-bandwidth floor each precision's weight bytes set.
+"""SmolLM2-135M with float32, bf16, int8, Q8_0 and the bundled file's own Q4_1 weights (`--quantize`):
+the raw compiled calls side by side, in paired rounds, with the memory-bandwidth floor each
+precision's weight bytes set.
 
-    python -m benchmarks.precision_bench [--rounds 5]
+    python -m benchmarks.precision_bench [--rounds 5] [--llama-cpp] [--precisions f32,q4_1]
 
 Each precision is exported with the serving path's functions (prefill_last at batch 1, decode at
 batch 2, which carries a lone sequence beside a padding row, and at batch 8) and compiled for
@@ -32,13 +33,15 @@ from benchmarks.kiln_offline import build_in_child, median_ms
 from benchmarks.peers.common import heavy_lock, log
 
 RESULTS_DIR = Path(__file__).parent / "results"
-PRECISIONS = {"f32": "none", "bf16w": "bf16", "int8": "int8", "q8_0": "q8_0"}
+# Each precision's `--quantize` on the bundled Q4_1 file: q4_1 serves its own blocks.
+PRECISIONS = {"f32": "none", "bf16w": "bf16", "int8": "int8", "q8_0": "q8_0", "q4_1": "q4_1"}
 CONTEXT, PREFILL_TOKENS, PAGES, GENERATED = 128, 512, 160, 128
 DECODE_BATCHES = (2, 8)
 # The GGUF each precision is paired with in llama.cpp (`--llama-cpp`): its own bf16, and Q8_0
 # (int8 in 32-weight blocks with a float16 scale each) for Kiln's int8 and Q8_0. Kiln's Q8_0
 # blocks are those of llama.cpp's file: both quantize the same float32 weights by ggml's rule.
-LLAMA_CPP_TYPES = {"f32": "f32", "bf16w": "bf16", "int8": "q8_0", "q8_0": "q8_0"}
+# Q4_1 is the bundled file, as both engines run it.
+LLAMA_CPP_TYPES = {"f32": "f32", "bf16w": "bf16", "int8": "q8_0", "q8_0": "q8_0", "q4_1": "q4_1"}
 
 
 def build(quantize: str) -> Path:
@@ -165,13 +168,19 @@ def measure(artifacts: dict[str, Path], rounds: int, llama_cpp: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--precisions", default=",".join(PRECISIONS),
+                        help=f"which to measure, comma-separated, f32 among them (default: all of {', '.join(PRECISIONS)})")
     parser.add_argument("--llama-cpp", action="store_true",
                         help="also run llama.cpp's llama-batched-bench on the matching GGUF in every round (its peer "
                         "setup builds it on first use, about 20 minutes here)")
     args = parser.parse_args()
+    chosen = args.precisions.split(",")
+    if "f32" not in chosen or not set(chosen) <= set(PRECISIONS):
+        parser.error(f"--precisions takes f32 and any of {', '.join(PRECISIONS)}, got {args.precisions!r}")
     with heavy_lock():
         artifacts = {}
-        for name, quantize in PRECISIONS.items():
+        for name in chosen:
+            quantize = PRECISIONS[name]
             log(f"building SmolLM2 with {name} weights")
             artifacts[name] = build(quantize)
         log("measuring")

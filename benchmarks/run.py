@@ -49,7 +49,7 @@ def _serving(proc: subprocess.Popen, port: int, backend: str):
         stop_process(proc)
 
 
-def kiln_server(dtype: str = "float32", prefix_sharing: str = "trie", quantize: str = "auto"):
+def kiln_server(dtype: str = "float32", prefix_sharing: str = "trie", quantize: str = "none"):
     """`kiln serve` on the artifacts `kiln serve --dtype --quantize` builds by default."""
     artifacts = kiln_offline.build_artifacts(dtype, quantize)
     port = free_port()
@@ -82,10 +82,12 @@ SERVERS = {
     "kiln bf16w": lambda: kiln_server("float32", quantize="bf16"),
     "kiln int8": lambda: kiln_server("float32", quantize="int8"),
     "kiln q8_0": lambda: kiln_server("float32", quantize="q8_0"),
+    "kiln q4_1": lambda: kiln_server("float32", quantize="auto"),  # `kiln serve` with no flags
     "llama.cpp f32": lambda: llamacpp_server("f32"),
     "llama.cpp f16": lambda: llamacpp_server("f16"),
     "llama.cpp bf16": lambda: llamacpp_server("bf16"),
     "llama.cpp q8_0": lambda: llamacpp_server("q8_0"),
+    "llama.cpp q4_1": lambda: llamacpp_server("q4_1"),  # the bundled file
     "shortfin f32": shortfin_server,
 }
 # The serving step's default: each engine at its float widths (the narrow weights' servers are
@@ -108,11 +110,12 @@ def step_offline(results: dict, args) -> None:
         jobs += [("kiln f32", lambda: kiln_offline.run("float32")), ("kiln f16", lambda: kiln_offline.run("float16")),
                  ("kiln bf16w", lambda: kiln_offline.run("float32", "bf16")),
                  ("kiln int8", lambda: kiln_offline.run("float32", "int8")),
-                 ("kiln q8_0", lambda: kiln_offline.run("float32", "q8_0"))]
+                 ("kiln q8_0", lambda: kiln_offline.run("float32", "q8_0")),
+                 ("kiln q4_1", lambda: kiln_offline.run("float32", "auto"))]
     if "llama.cpp" in args.engines:
         from benchmarks.peers import llamacpp
 
-        jobs += [(f"llama.cpp {dtype}", lambda dtype=dtype: llamacpp.offline(dtype)) for dtype in ("f32", "f16", "bf16", "q8_0")]
+        jobs += [(f"llama.cpp {dtype}", lambda dtype=dtype: llamacpp.offline(dtype)) for dtype in ("f32", "f16", "bf16", "q8_0", "q4_1")]
     if "transformers" in args.engines:
         from benchmarks.peers import transformers_peer
 

@@ -106,7 +106,7 @@ def build_model(checkpoint: Checkpoint, options: ExportOptions) -> PagedLlama | 
         raise ExportError(f"the checkpoint's tensors do not fit its config: {error}") from None
     if options.layout.device_count > 1:
         model = ShardedPagedLlama(model, options.layout)
-    return quantize_model(model, options.quantize, weight_matmul_kernel).eval()
+    return quantize_model(model, options.quantize, weight_matmul_kernel, checkpoint.blocks).eval()
 
 
 def export_model(checkpoint: Checkpoint, options: ExportOptions, output_dir: Path, log=print) -> ExportedModel:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from kiln.models.gguf_blocks import BLOCK_TYPES
 from kiln.runtime.config import DTYPES, QUANTIZE_CHOICES
 from kiln.runtime.device_layout import DeviceLayout
 from kiln.runtime.errors import ExportError
@@ -33,7 +34,9 @@ class ExportOptions:
     # on IREE 3.13's CPU code: the page gather converts per element (benchmarks/NOTES.md).
     kv_cache_dtype: str = ""
     # How the weight matmuls store their weights (models/quantize.py): "none" (as dtype),
-    # "bf16", "int8" with a scale per output row, or "q8_0" blocks; activations and KV stay
+    # "bf16", "int8" with a scale per output row, "q8_0"/"q4_0"/"q4_1" blocks (a GGUF's own
+    # blocks where it stores them), or "gguf" (each of a GGUF's weights in its own block type);
+    # activations and KV stay
     # float32. "auto" (QUANTIZE_CHOICES) is resolved by `validate`.
     quantize: str = "auto"
     prefill_final_logits: bool = False
@@ -80,6 +83,9 @@ class ExportOptions:
         quantize = self.quantize
         if quantize == "auto":
             quantize = stored_quantization if self.dtype == "float32" else "none"
+        if quantize == "gguf" and stored_quantization in ("none", "bf16"):
+            raise ExportError("--quantize gguf serves a GGUF's own blocks: it needs a GGUF whose weight matmuls are "
+                              f"all in block types Kiln reads ({', '.join(BLOCK_TYPES)})")
         if quantize != "none" and self.dtype != "float32":
             raise ExportError(f"--quantize {quantize} keeps activations in float32: it needs --dtype float32, "
                               f"got {self.dtype}")

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from .config import LlamaConfig
+from .gguf_blocks import BlockWeight
 
 
 @dataclass
@@ -24,5 +25,9 @@ class Checkpoint:
     tokenizer_config: dict[str, Any] = field(default_factory=dict)  # HF tokenizer_config.json
     source: str = ""
     # The narrow form the file stores every weight matmul's weight in, when Kiln can serve that
-    # form as it is (models/quantize.py): "q8_0" or "bf16" for such a GGUF, else "none".
+    # form as it is (models/quantize.py): "q8_0", "q4_0", "q4_1" or "bf16" for such a GGUF,
+    # else "none".
     stored_quantization: str = "none"
+    # A GGUF's block-quantized 2-D weights (Q8_0, Q4_0, Q4_1) as stored, by HF name: what a
+    # block mode serves instead of re-quantizing `tensors`.
+    blocks: dict[str, BlockWeight] = field(default_factory=dict)

@@ -19,6 +19,7 @@ from kiln.runtime.errors import ModelLoadError
 
 from .checkpoint import Checkpoint
 from .config import LlamaConfig
+from .gguf_blocks import BLOCK_TYPES, BlockWeight, read_blocks
 from .gguf_tokenizer import tokenizer_from_gguf
 from .rope import llama3_divisors
 
@@ -253,15 +254,21 @@ def _config_from_metadata(
     )
 
 
-# GGUF types of 2-D weights that Kiln keeps as they are (`--quantize auto`), and the mode each is.
-_KEPT_TYPES = {"Q8_0": "q8_0", "BF16": "bf16"}
-
-
 def stored_quantization(tensor_types: list[str]) -> str:
     """The quantization mode that serves a GGUF's 2-D weights (types by name) as stored: every
-    one Q8_0, or every one BF16; "none" for anything else (float, or a type Kiln widens)."""
+    one BF16 ("bf16"); every one Q8_0, or Q4_0/Q4_1 beside Q8_0 (the bundled SmolLM2's Q4_1
+    layers and Q8_0 embedding), by that type's mode; any other mix of block types Kiln reads
+    (BLOCK_TYPES: a Q4_K_M file's Q4_K and Q6_K) "gguf"; "none" for anything else (float, or a
+    type Kiln widens)."""
     kinds = set(tensor_types)
-    return _KEPT_TYPES.get(kinds.pop(), "none") if len(kinds) == 1 else "none"
+    if kinds == {"BF16"}:
+        return "bf16"
+    if not kinds or not kinds <= set(BLOCK_TYPES):
+        return "none"
+    for mode, kind in (("q8_0", "Q8_0"), ("q4_0", "Q4_0"), ("q4_1", "Q4_1")):
+        if kinds <= {kind, "Q8_0"}:
+            return mode
+    return "gguf"
 
 
 def load_gguf(path: str | Path) -> Checkpoint:
@@ -279,7 +286,9 @@ def load_gguf(path: str | Path) -> Checkpoint:
     config = _config_from_metadata(meta, tensor_names, path.stem, embedding_rows)
 
     quantization = stored_quantization([t.tensor_type.name for t in reader.tensors if len(t.shape) == 2])
+    keep_blocks = quantization not in ("none", "bf16")
     tensors: dict[str, np.ndarray] = {}
+    blocks: dict[str, BlockWeight] = {}
     rope_freqs = None
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
@@ -294,10 +303,17 @@ def load_gguf(path: str | Path) -> Checkpoint:
             raise
         except Exception as e:
             raise ModelLoadError(f"{path}: tensor {t.name} is corrupt or truncated ({e})") from e
+        stored = None
+        if keep_blocks and len(t.shape) == 2:
+            stored = read_blocks(t.data, t.tensor_type.name, *w.shape)
         if config.architecture == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
             n = config.num_attention_heads if ".attn_q." in t.name else config.num_key_value_heads
             w = unpermute_qk(w, n)
+            if stored is not None:
+                stored = stored.rows_permuted(lambda rows: unpermute_qk(rows, n))
         tensors[hf] = w
+        if stored is not None:
+            blocks[hf] = stored
     del reader
 
     if rope_freqs is not None:
@@ -319,6 +335,7 @@ def load_gguf(path: str | Path) -> Checkpoint:
         tokenizer_config=tokenizer_config,
         source=str(path),
         stored_quantization=quantization,
+        blocks=blocks,
     )
 
 

@@ -20,7 +20,7 @@ from .checkpoint import Checkpoint
 from .gguf_loader import GLOBAL_NAMES, LAYER_NAMES, llama3_rope_factors, permute_qk
 from .gguf_tokenizer import tokenizer_to_gguf
 
-WRITE_DTYPES = ("f32", "f16", "q8_0")
+WRITE_DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
 
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 _HF_GLOBAL_RE = re.compile(r"^(.+)\.(weight|bias)$")
@@ -39,18 +39,20 @@ def gguf_tensor_name(hf_name: str) -> str:
     raise ModelLoadError(f"tensor {hf_name} has no GGUF name")
 
 
-def _encode(w: np.ndarray, dtype: str):
+def _encode(w: np.ndarray, dtype: str, name: str):
     """(data, raw ggml type or None) for one tensor at the requested file type.
 
-    Like llama.cpp, 1-D tensors (norms, biases) stay F32, and Q8_0 falls back to F16
-    for rows that are not a multiple of its 32-element block.
+    Like llama.cpp, 1-D tensors (norms, biases) stay F32, the block types fall back to F16
+    for rows that are not a multiple of their 32-element block, and the Q4 types keep the
+    token embedding in Q8_0 (as the bundled SmolLM2's Q4_1 file does).
     """
     from gguf import GGMLQuantizationType, quants
 
     if dtype == "f32" or w.ndim == 1:
         return w.astype(np.float32), None
-    if dtype == "q8_0" and w.shape[-1] % 32 == 0:
-        return quants.quantize(w, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0
+    if dtype in ("q8_0", "q4_0", "q4_1") and w.shape[-1] % 32 == 0:
+        qtype = GGMLQuantizationType.Q8_0 if name == "token_embd.weight" else GGMLQuantizationType[dtype.upper()]
+        return quants.quantize(w, qtype), qtype
     return w.astype(np.float16), None
 
 
@@ -70,7 +72,7 @@ def _add_value(writer, key: str, value: Any) -> None:
 
 
 def write_gguf(checkpoint: Checkpoint, path: str | Path, dtype: str = "f32") -> Path:
-    """Write `checkpoint` to `path` as GGUF with weights in `dtype` (f32, f16 or q8_0)."""
+    """Write `checkpoint` to `path` as GGUF with weights in `dtype` (WRITE_DTYPES)."""
     import gguf
 
     if dtype not in WRITE_DTYPES:
@@ -100,9 +102,10 @@ def write_gguf(checkpoint: Checkpoint, path: str | Path, dtype: str = "f32") -> 
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
+                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+                 "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[dtype]
     w.add_file_type(int(file_type))
-    if dtype == "q8_0":
+    if dtype not in ("f32", "f16"):
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     rope_freqs = None
@@ -146,7 +149,7 @@ def write_gguf(checkpoint: Checkpoint, path: str | Path, dtype: str = "f32") -> 
         t = np.asarray(tensors[name], dtype=np.float32)
         if arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):
             t = permute_qk(t, c.num_attention_heads if ".attn_q." in gname else c.num_key_value_heads)
-        data, raw = _encode(t, dtype)
+        data, raw = _encode(t, dtype, gname)
         w.add_tensor(gname, data, raw_dtype=raw)
 
     try:

@@ -1,5 +1,6 @@
 """Weights stored narrower than the activations: bfloat16; int8 with a scale per output row; or
-int8 in llama.cpp's Q8_0 blocks (a scale per 32 input channels of a row).
+int8 values in llama.cpp's blocks of 32 input channels of a row, a scale per block (Q8_0, Q4_0)
+and an offset too (Q4_1).
 
 Only the weight matmuls and the token embedding change; activations, norms, attention and the
 KV cache stay float32. How a matmul uses the narrow weight depends on the call:
@@ -10,7 +11,9 @@ KV cache stay float32. How a matmul uses the narrow weight depends on the call:
   float32 (AVX512-BF16, GPUs' bf16 tensor cores); int8 quantizes its input too, per token and
   per group of ACTIVATION_GROUP input channels (as llama.cpp's Q8_0 dot products quantize
   theirs per 32), one int8 x int8 -> int32 matmul per group, summed with the groups' scales.
-  Q8_0 groups its input by the weight's own blocks, so each group's sum takes both scales.
+  The block types group their input by the weight's own blocks, so each group's sum takes both
+  scales; Q4_1's offsets add each block's input sum times the offset (llama.cpp's Q4_1 dot
+  product adds the same term).
 - Many tokens per row (prefill, denoising): compute-bound, so the weight is widened to float32
   and the matmul runs as a float32 one (on this CPU a bf16 or grouped-int8 matmul of 512 rows
   was slower than the float32 one; benchmarks/NOTES.md). The weight's bytes stay narrow.
@@ -22,9 +25,12 @@ group of 64, 0.6%.
 Q8_0 quantizes by ggml's rule (d = max|block| / 127 rounded to float16, q = x / d rounded half
 away from zero). Re-quantizing what a Q8_0 GGUF dequantizes to gives back the file's blocks bit
 for bit (its largest |q| in a block is 127, so d comes back exactly): a Q8_0 file is served from
-its own values although the GGUF loader hands over float32 tensors. The scales are held as
-float32 (each float16 scale exactly): IREE 3.13 widened a float16 table on every call rather
-than once, 1.9 ms of a decode step for the tied embedding's.
+its own values although the GGUF loader hands over float32 tensors. Q4_0 and Q4_1 cannot be
+recovered that way, so the loader reads a GGUF's blocks of all three types as they are stored
+(models/gguf_blocks.py) and `quantize_model` takes them; weights from anywhere else are
+quantized by gguf-py's reference quantizer for the type. The scales are held as float32 (each
+float16 scale exactly): IREE 3.13 widened a float16 table on every call rather than once, 1.9
+ms of a decode step for the tied embedding's.
 
 The narrow kernel is a function the model is given (`matmul`): eager torch runs
 `eager_weight_matmul`; the export passes an IREE custom op with the same arithmetic.
@@ -38,10 +44,15 @@ from torch import nn
 
 from kiln.runtime.config import QUANTIZATIONS
 
+from .gguf_blocks import BLOCK, BlockWeight, quantize_blocks
+
 _INT8_MAX = 127.0
 _TINY = 1e-30  # the scale of an all-zero row: any positive value quantizes it to zeros
 ACTIVATION_GROUP = 64  # input channels that share an int8 activation scale
-Q8_0_BLOCK = 32  # input channels per Q8_0 block (ggml's QK8_0)
+Q8_0_BLOCK = BLOCK  # input channels per Q8_0 block (ggml's QK8_0)
+# Block modes -> the GGUF type a weight not read from a file's blocks is quantized to. "gguf"
+# serves every block type the file holds as it is (a k-quant file's mix of Q4_K and Q6_K).
+BLOCK_MODES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "gguf": "Q8_0"}
 
 
 def eager_weight_matmul(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -84,33 +95,38 @@ def activation_group(k: int) -> int:
     return ACTIVATION_GROUP if k % ACTIVATION_GROUP == 0 else k
 
 
-def widened(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+def widened(weight: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 weight that stored bytes stand for: bf16 (no scale), int8 with row scales [N],
-    or Q8_0 with block scales [K / 32, N]."""
+    or int8 blocks with block scales [K / block, N] (and offsets of that shape, for the types
+    with a block minimum)."""
     w = weight.float()
     if scale is None:
         return w
     if scale.dim() == 1:
         return w * scale.view(-1, 1)
     n, k = w.shape
-    return (w.view(n, k // Q8_0_BLOCK, Q8_0_BLOCK) * scale.T.unsqueeze(-1)).view(n, k)
+    blocks = w.view(n, scale.shape[0], -1) * scale.T.unsqueeze(-1)
+    if offset is not None:
+        blocks = blocks + offset.T.unsqueeze(-1)
+    return blocks.view(n, k)
 
 
-def weight_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, matmul) -> torch.Tensor:
+def weight_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, matmul,
+                   offset: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., T, K] times a stored weight [N, K]^T (see `widened`): float32 [..., T, N]. T is 1
     in a decode step (static); a dynamic or larger T is a prefill."""
     one_token = isinstance(x.shape[-2], int) and x.shape[-2] == 1
     if not one_token:
-        return F.linear(x.float(), widened(weight, scale))
+        return F.linear(x.float(), widened(weight, scale, offset))
     n, k = weight.shape
     rows = x.reshape(-1, k)
     if weight.dtype == torch.bfloat16:
         out = matmul(rows.to(torch.bfloat16), weight)
     else:
         blocks = scale.dim() == 2
-        group = Q8_0_BLOCK if blocks else activation_group(k)
-        q, row_scale = quantize_rows(rows.float().view(-1, k // group, group))  # [M, G, g], [M, G, 1]
-        q, w = q.transpose(0, 1), weight.view(n, k // group, group).transpose(0, 1)  # [G, M, g], [G, N, g]
+        group = k // scale.shape[0] if blocks else activation_group(k)
+        x_q, row_scale = quantize_rows(rows.float().view(-1, k // group, group))  # [M, G, g], [M, G, 1]
+        q, w = x_q.transpose(0, 1), weight.view(n, k // group, group).transpose(0, 1)  # [G, M, g], [G, N, g]
         if blocks:
             # Each block's sum takes its weight scale in the matmul's own call, so what is
             # left is the int8 form's sum over blocks: with both scales in one expression
@@ -122,44 +138,66 @@ def weight_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
         out = (sums * row_scale.permute(1, 0, 2)).sum(dim=0)
         if not blocks:
             out = out * scale
+        if offset is not None:
+            # Each block's input sum times its offset, from the quantized input as llama.cpp's
+            # Q4_1 dot product takes it: the product is then the dequantized weight's with the
+            # dequantized input. The float input's sum would leave the quantization error of
+            # the d * q part uncancelled by the offset's, and Q4_1's values are all >= 0: that
+            # moved a tiny model's logits 2.7% where this moves them 0.3%.
+            block_sums = x_q.float().sum(dim=-1) * row_scale.squeeze(-1)  # [M, G]
+            out = out + block_sums @ offset
     return out.view(*x.shape[:-1], n)
 
 
-class QuantizedWeight(nn.Module):
-    """A [N, K] float weight stored as `mode` says; `scale` [N] for int8, [K / 32, N] for Q8_0,
-    None for bf16. A Q8_0 weight whose K is no multiple of 32 is stored as int8 (llama.cpp
-    falls back to a wider type for such tensors too)."""
+def _parameter(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
 
-    def __init__(self, weight: torch.Tensor, mode: str, matmul=eager_weight_matmul):
+
+class QuantizedWeight(nn.Module):
+    """A [N, K] float weight stored as `mode` says; `scale` [N] for int8, [K / block, N] for the
+    block modes, None for bf16; `offset` [K / block, N] for the types with a block minimum, else
+    None. `stored`, a block mode's weight as a GGUF holds it (any block type), is taken as it
+    is. A weight whose K is no multiple of 32 is stored as int8 in a block mode (llama.cpp falls
+    back to a wider type for such tensors too)."""
+
+    def __init__(self, weight: torch.Tensor, mode: str, matmul=eager_weight_matmul,
+                 stored: BlockWeight | None = None):
         super().__init__()
         if mode not in QUANTIZATIONS[1:]:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS[1:])}, got {mode!r}")
         weight = weight.detach().float()
+        blocks = mode in BLOCK_MODES and weight.shape[-1] % BLOCK == 0
+        self.offset = None
         if mode == "bf16":
-            stored, scale = weight.to(torch.bfloat16), None
-        elif mode == "q8_0" and weight.shape[-1] % Q8_0_BLOCK == 0:
-            stored, block_scale = quantize_q8_0(weight)
-            scale = nn.Parameter(block_scale, requires_grad=False)
+            values, self.scale = weight.to(torch.bfloat16), None
+        elif blocks and stored is None and BLOCK_MODES[mode] == "Q8_0":
+            values, block_scale = quantize_q8_0(weight)
+            self.scale = _parameter(block_scale)
+        elif blocks:
+            if stored is None:
+                stored = quantize_blocks(weight.numpy(), BLOCK_MODES[mode])
+            values, self.scale = torch.from_numpy(stored.values), _parameter(torch.from_numpy(stored.scales))
+            if stored.offsets is not None:
+                self.offset = _parameter(torch.from_numpy(stored.offsets))
         else:
-            stored, row_scale = quantize_rows(weight)
-            scale = nn.Parameter(row_scale.view(-1), requires_grad=False)
-        self.weight = nn.Parameter(stored, requires_grad=False)
-        self.scale = scale
+            values, row_scale = quantize_rows(weight)
+            self.scale = _parameter(row_scale.view(-1))
+        self.weight = _parameter(values)
         self.matmul = matmul
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight these bytes stand for."""
-        return widened(self.weight, self.scale)
+        return widened(self.weight, self.scale, self.offset)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
-        return weight_product(x, self.weight, self.scale, self.matmul)
+        return weight_product(x, self.weight, self.scale, self.matmul, self.offset)
 
 
 class QuantizedLinear(QuantizedWeight):
     """nn.Linear with a quantized weight (the bias, if any, stays float32)."""
 
-    def __init__(self, linear: nn.Linear, mode: str, matmul=eager_weight_matmul):
-        super().__init__(linear.weight, mode, matmul)
+    def __init__(self, linear: nn.Linear, mode: str, matmul=eager_weight_matmul, stored: BlockWeight | None = None):
+        super().__init__(linear.weight, mode, matmul, stored)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -170,14 +208,18 @@ class QuantizedLinear(QuantizedWeight):
 class QuantizedEmbedding(QuantizedWeight):
     """nn.Embedding with quantized rows; `project` is the tied output head over the same bytes."""
 
-    def __init__(self, embedding: nn.Embedding, mode: str, matmul=eager_weight_matmul):
-        super().__init__(embedding.weight, mode, matmul)
+    def __init__(self, embedding: nn.Embedding, mode: str, matmul=eager_weight_matmul,
+                 stored: BlockWeight | None = None):
+        super().__init__(embedding.weight, mode, matmul, stored)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.scale is not None and self.scale.dim() == 2:  # Q8_0: a scale per block of the row
+        if self.scale is not None and self.scale.dim() == 2:  # blocks: a scale per block of the row
             n, k = self.weight.shape
-            rows = self.weight[tokens].float().view(*tokens.shape, k // Q8_0_BLOCK, Q8_0_BLOCK)
-            return (rows * self.scale.T[tokens].unsqueeze(-1)).view(*tokens.shape, k)
+            rows = self.weight[tokens].float().view(*tokens.shape, self.scale.shape[0], -1)
+            rows = rows * self.scale.T[tokens].unsqueeze(-1)
+            if self.offset is not None:
+                rows = rows + self.offset.T[tokens].unsqueeze(-1)
+            return rows.view(*tokens.shape, k)
         rows = self.weight[tokens].float()
         return rows if self.scale is None else rows * self.scale[tokens].unsqueeze(-1)
 
@@ -189,14 +231,31 @@ def stacked_linear(layers, x: torch.Tensor) -> torch.Tensor:
     weight = torch.cat([layer.weight for layer in layers])
     if not isinstance(layers[0], QuantizedLinear):
         return F.linear(x, weight, bias)
-    # Row scales [N] and Q8_0's block scales [K / 32, N] both run along N.
-    scale = None if layers[0].scale is None else torch.cat([layer.scale for layer in layers], dim=-1)
-    out = weight_product(x, weight, scale, layers[0].matmul)
+    # Row scales [N] and the block scales and offsets [K / block, N] all run along N.
+    scale = None if layers[0].scale is None else torch.cat(_same_blocks([layer.scale for layer in layers]), dim=-1)
+    offset = None
+    if any(layer.offset is not None for layer in layers):  # a block type without offsets has zeros
+        offset = torch.cat(_same_blocks([torch.zeros_like(layer.scale) if layer.offset is None else layer.offset
+                                         for layer in layers]), dim=-1)
+    out = weight_product(x, weight, scale, layers[0].matmul, offset)
     return out if bias is None else out + bias
 
 
-def quantize_model(model: nn.Module, mode: str, matmul=eager_weight_matmul) -> nn.Module:
+def _same_blocks(tables: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Block scale (or offset) tables [K / block, N] of one K brought to the smallest block among
+    them by repeating each row: a Q4_K q/k beside a Q6_K v (blocks of 32 and 16). Exact."""
+    if tables[0].dim() == 1:
+        return tables
+    most = max(t.shape[0] for t in tables)
+    return [t if t.shape[0] == most else t.repeat_interleave(most // t.shape[0], dim=0) for t in tables]
+
+
+def quantize_model(model: nn.Module, mode: str, matmul=eager_weight_matmul,
+                   stored: dict[str, BlockWeight] | None = None) -> nn.Module:
     """Replace every nn.Linear and nn.Embedding under `model` by its quantized form, in place.
+    In a block mode, a weight found in `stored` (by parameter name, "model.layers.0.mlp.up_proj.weight")
+    keeps those blocks, a GGUF's own, where they are of the mode's type or Q8_0 (any type, for
+    "gguf"); the others are quantized to the mode's type.
 
     A replaced weight keeps the device it was placed on (a tensor/pipeline-parallel model's
     placement is a trait of each parameter)."""
@@ -204,12 +263,17 @@ def quantize_model(model: nn.Module, mode: str, matmul=eager_weight_matmul) -> n
         return model
     from iree.turbine.aot import DeviceTensorTrait
 
-    for module in list(model.modules()):
+    # A weight stored as the mode's type keeps its blocks, and so does a Q8_0 one (a Q4 file's
+    # embedding): exact either way, where re-quantizing would round the file's values again.
+    stored = {name: blocks for name, blocks in (stored or {}).items()
+              if mode == "gguf" or (mode in BLOCK_MODES and blocks.type_name in (BLOCK_MODES[mode], "Q8_0"))}
+    for path, module in list(model.named_modules()):
         for name, child in list(module.named_children()):
+            blocks = stored.get(f"{path}.{name}.weight" if path else f"{name}.weight")
             if type(child) is nn.Linear:
-                replacement = QuantizedLinear(child, mode, matmul)
+                replacement = QuantizedLinear(child, mode, matmul, blocks)
             elif type(child) is nn.Embedding:
-                replacement = QuantizedEmbedding(child, mode, matmul)
+                replacement = QuantizedEmbedding(child, mode, matmul, blocks)
             else:
                 continue
             device = DeviceTensorTrait.get(child.weight)

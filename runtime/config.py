@@ -22,9 +22,11 @@ _FORMER_KILN_FIELDS = {"model_name", "architecture", "bos_token_id", "dtype", "h
 # Element types of weights and of the KV cache an export may have.
 DTYPES = ("float32", "float16", "bfloat16")
 # How an export may store its weight matmuls' weights (models/quantize.py).
-QUANTIZATIONS = ("none", "bf16", "int8", "q8_0")
+# "gguf": a GGUF's block-quantized weights, each in its own type (Q4_K beside Q6_K).
+QUANTIZATIONS = ("none", "bf16", "int8", "q8_0", "q4_0", "q4_1", "gguf")
 # What an export may be asked for: "auto" keeps the checkpoint's own narrow weights where Kiln
-# serves them as stored (a Q8_0 or BF16 GGUF), and stores the rest as the model's dtype.
+# serves them as stored (a GGUF whose weights are all in block types Kiln reads, or all BF16),
+# and stores the rest as the model's dtype.
 QUANTIZE_CHOICES = ("auto", *QUANTIZATIONS)
 
 

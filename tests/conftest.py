@@ -70,6 +70,17 @@ def tiny_q8_0_gguf(tiny_checkpoint, tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_q4_1_gguf(tiny_checkpoint, tmp_path_factory) -> Path:
+    """The tiny model as a Q4_1 GGUF laid out as the bundled SmolLM2's: Q4_1 weight matmuls, the
+    embedding in Q8_0."""
+    from kiln.models.gguf_writer import write_gguf
+
+    path = tmp_path_factory.mktemp("tiny-q4_1-gguf") / "tiny-q4_1.gguf"
+    write_gguf(tiny_checkpoint, path, dtype="q4_1")
+    return path
+
+
 def _export_and_compile(model: Path, out: Path, export_args=TINY_EXPORT_ARGS) -> Path:
     run_kiln("export-model", "--model", str(model), "--output-dir", str(out), *export_args)
     run_kiln("compile-vmfb", str(out / "model.mlir"), "--target", "cpu", "-o", str(out / "model_cpu.vmfb"))
@@ -116,6 +127,44 @@ def tiny_int8_artifacts(tiny_hf_dir, tmp_path_factory) -> Path:
 def tiny_q8_0_artifacts(tiny_q8_0_gguf, tmp_path_factory) -> Path:
     """The tiny Q8_0 GGUF exported as it comes (`--quantize auto`: its own blocks)."""
     return _export_and_compile(tiny_q8_0_gguf, tmp_path_factory.mktemp("tiny-q8_0"))
+
+
+@pytest.fixture(scope="session")
+def tiny_k_quant_gguf(tmp_path_factory) -> Path:
+    """A tiny model 256 wide (a k-quant's super-block) as a Q4_K_M-style GGUF of random blocks:
+    Q4_K weight matmuls, Q6_K (blocks of 16) for attn_v, ffn_down, the output head and the
+    embedding, as llama.cpp's Q4_K_M mixes them."""
+    from unittest import mock
+    from zlib import crc32
+
+    from gguf import GGMLQuantizationType
+
+    from kiln.models import gguf_writer
+    from tests.tiny_model import make_tiny_checkpoint, random_blocks
+
+    def encode(w, dtype, name):
+        if w.ndim == 1:
+            return w.astype("float32"), None
+        six = name in ("token_embd.weight", "output.weight") or ".attn_v." in name or ".ffn_down." in name
+        qtype = "Q6_K" if six else "Q4_K"
+        return random_blocks(qtype, *w.shape, seed=crc32(name.encode())), GGMLQuantizationType[qtype]
+
+    path = tmp_path_factory.mktemp("tiny-k-quant-gguf") / "tiny-q4_k_m.gguf"
+    with mock.patch.object(gguf_writer, "_encode", encode):
+        gguf_writer.write_gguf(make_tiny_checkpoint(seed=11, hidden_size=256, intermediate_size=256), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_k_quant_artifacts(tiny_k_quant_gguf, tmp_path_factory) -> Path:
+    """The tiny k-quant GGUF exported as it comes (`--quantize auto`: "gguf", each weight's own blocks)."""
+    return _export_and_compile(tiny_k_quant_gguf, tmp_path_factory.mktemp("tiny-k-quant"))
+
+
+@pytest.fixture(scope="session")
+def tiny_q4_1_artifacts(tiny_q4_1_gguf, tmp_path_factory) -> Path:
+    """The tiny Q4_1 GGUF exported as it comes (`--quantize auto`: its own blocks)."""
+    return _export_and_compile(tiny_q4_1_gguf, tmp_path_factory.mktemp("tiny-q4_1"))
 
 
 # The diffusion LMs' export: denoise sizes 1 and 4 (guidance takes two rows), the greedy summaries
@@ -187,8 +236,18 @@ def smollm2_checkpoint():
 
 @pytest.fixture(scope="session")
 def smollm2_artifacts() -> Path:
-    """The bundled SmolLM2-135M-Instruct, float32, compiled for the CPU, exactly as `kiln serve`
-    builds it with no model arguments (same options, same cache key), so it is built once."""
+    """The bundled SmolLM2-135M-Instruct in float32 (its Q4_1 weights dequantized, as transformers
+    loads them), compiled for the CPU with `kiln serve`'s build options otherwise: what the
+    reference tokens and logits are checked against."""
+    from kiln.export.build import build, default_build_options
+
+    return build(None, default_build_options(quantize="none"), ["cpu"], log=lambda line: print(line, file=sys.stderr))
+
+
+@pytest.fixture(scope="session")
+def smollm2_default_artifacts() -> Path:
+    """The bundled SmolLM2 exactly as `kiln serve` builds it with no model arguments (same
+    options, same cache key): its own Q4_1 blocks (`--quantize auto`)."""
     from kiln.export.build import build, default_build_options
 
     return build(None, default_build_options(), ["cpu"], log=lambda line: print(line, file=sys.stderr))

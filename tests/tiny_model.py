@@ -132,6 +132,24 @@ def tiny_tokenizer_config(add_bos: bool, model_max_length: int, **extra) -> dict
     }
 
 
+# Where each block type's float16 fields sit in its block: random bytes elsewhere make a valid block.
+_HALVES = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2),
+           "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(qtype: str, rows: int, columns: int, seed: int = 0, scale: float = 1e-3) -> np.ndarray:
+    """A [rows, columns] tensor of GGUF block type `qtype` as raw bytes: random values, scales and
+    minimums, its float16 fields drawn around `scale` (gguf-py has no quantizer for the k-quants)."""
+    from kiln.models.gguf_blocks import BLOCK, BLOCK_BYTES, SUPER_BLOCK
+
+    rng = np.random.default_rng(seed)
+    per = SUPER_BLOCK if qtype.endswith("_K") else BLOCK
+    raw = rng.integers(0, 256, (rows, columns // per, BLOCK_BYTES[qtype]), dtype=np.uint8)
+    for at in _HALVES[qtype]:
+        raw[..., at:at + 2] = rng.normal(0, scale, (*raw.shape[:2], 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
 def make_tiny_checkpoint(seed: int = 0, add_bos: bool = True, **overrides) -> Checkpoint:
     """A tiny random Llama; `overrides` replace LlamaConfig fields (e.g. tie_word_embeddings=True)."""
     config = LlamaConfig(**{**DEFAULT_CONFIG, **overrides})

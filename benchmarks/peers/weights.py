@@ -27,6 +27,7 @@ CHECK_TOKENS = 32
 # llama.cpp's converter writes each of these from the float32 HF directory (q8_0: 32-weight
 # blocks with a float16 scale each, what Kiln's int8 weights are measured against).
 DTYPES = ("f32", "f16", "bf16", "q8_0")
+BUNDLED = "q4_1"  # the bundled GGUF's own type
 
 
 def weights_dir() -> Path:
@@ -68,9 +69,14 @@ def hf_dir() -> Path:
 
 def gguf(dtype: str = "f32") -> Path:
     """A GGUF of `dtype` (one of DTYPES) made by llama.cpp's convert_hf_to_gguf.py from
-    hf_dir(), in the llama.cpp venv; converted on first use."""
+    hf_dir(), in the llama.cpp venv; converted on first use. "q4_1" is the bundled file itself
+    (Q4_1 layers, a Q8_0 embedding), which every other one is converted from."""
     from . import llamacpp
 
+    if dtype == BUNDLED:
+        from kiln.models.default_model import default_model_path
+
+        return default_model_path()
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
     target = weights_dir() / f"smollm2-135m-instruct-{dtype}.gguf"

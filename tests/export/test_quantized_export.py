@@ -1,9 +1,9 @@
-"""bf16, int8 and Q8_0 weights (`kiln export-model --quantize`; Q8_0 from a Q8_0 GGUF as it comes)
-on the tiny model, compiled and run through iree.runtime against the same quantization in eager
-torch, call for call.
+"""bf16, int8, Q8_0, Q4_1 and k-quant weights (`kiln export-model --quantize`; the block types from GGUFs
+of those types as they come) on the tiny model, compiled and run through iree.runtime against
+the same quantization in eager torch, call for call.
 
-Tolerances: int8 and Q8_0 are integer arithmetic up to the float32 scaling, so they hold
-float32's 1e-4.
+Tolerances: int8 and the block types are integer arithmetic up to the float32 scaling (and
+Q4_1's float32 offset term), so they hold float32's 1e-4.
 bf16 rounds each matmul input to bf16; the compiled code's rounding of an input that lies
 near a bf16 tie can differ from torch's, and one such flip moves a logit by about bf16's unit
 roundoff (2^-8 = 3.9e-3): the bf16 tolerance is that.
@@ -30,26 +30,29 @@ from tests.paged_driver import PagedDriver, relative_error
 
 pytestmark = pytest.mark.e2e
 
-TOLERANCE = {"bf16": 4e-3, "int8": 1e-4, "q8_0": 1e-4}
+TOLERANCE = {"bf16": 4e-3, "int8": 1e-4, "q8_0": 1e-4, "q4_1": 1e-4, "gguf": 1e-4}
+# Each mode's GGUF, exported as it comes (`--quantize auto` takes its own blocks); "gguf" is a
+# Q4_K_M-style mix of Q4_K and Q6_K.
+GGUFS = {"q8_0": "tiny_q8_0", "q4_1": "tiny_q4_1", "gguf": "tiny_k_quant"}
 
 
-@pytest.fixture(scope="module", params=["bf16", "int8", "q8_0"])
+@pytest.fixture(scope="module", params=["bf16", "int8", "q8_0", "q4_1", "gguf"])
 def quantized(request, tiny_checkpoint):
     mode = request.param
-    artifacts = request.getfixturevalue(f"tiny_{mode}_artifacts")
-    if mode == "q8_0":  # the GGUF's own blocks, as `--quantize auto` takes them
-        checkpoint = load_checkpoint(request.getfixturevalue("tiny_q8_0_gguf"))
+    artifacts = request.getfixturevalue(f"{GGUFS.get(mode, 'tiny_' + mode)}_artifacts")
+    if mode in GGUFS:
+        checkpoint = load_checkpoint(request.getfixturevalue(f"{GGUFS[mode]}_gguf"))
         options = ExportOptions().validate(256, checkpoint.stored_quantization)
     else:
         checkpoint, options = tiny_checkpoint, ExportOptions(quantize=mode).validate(256)
     assert options.quantize == mode
-    return mode, artifacts, Program(Artifacts.in_directory(artifacts)), build_model(checkpoint, options)
+    return mode, artifacts, Program(Artifacts.in_directory(artifacts)), build_model(checkpoint, options), checkpoint
 
 
 def test_every_function_matches_the_eager_quantized_model(quantized):
     """Prefill (batch 4 with a padded row, every position), greedy decode steps at batch 4 and 1,
     and prefill_last continuing a cached prefix at a start position."""
-    mode, _, program, reference = quantized
+    mode, _, program, reference, _ = quantized
     tolerance = TOLERANCE[mode]
     rng = np.random.default_rng(1)
     prompts = [rng.integers(4, 384, n).tolist() for n in (5, 16, 37)]
@@ -80,17 +83,18 @@ def test_every_function_matches_the_eager_quantized_model(quantized):
     assert relative_error(last[0, 0], sequence.run_last(prompt[32:])) < tolerance
 
 
-def test_weights_are_stored_narrow_and_the_matmul_takes_them_as_they_are(quantized, tiny_artifacts):
-    mode, artifacts, _, _ = quantized
+def test_weights_are_stored_narrow_and_the_matmul_takes_them_as_they_are(quantized):
+    mode, artifacts, _, _, checkpoint = quantized
     text = (artifacts / "model.mlir").read_text()
     [stored] = parameter_bytes_by_device(text).values()
-    [whole] = parameter_bytes_by_device((tiny_artifacts / "model.mlir").read_text()).values()
+    whole = 4 * sum(t.size for t in checkpoint.tensors.values())  # all float32
     # The norms stay float32, int8 adds a float32 scale per row and Q8_0 one per 32 values: a
-    # little over 1/2, 1/4 and 9/32.
-    low = {"bf16": 0.5, "int8": 0.25, "q8_0": 9 / 32}[mode]
-    assert whole * low < stored < whole * (low + 0.03)
-    element = {"bf16": "bf16", "int8": "i8", "q8_0": "i8"}[mode]
-    accumulator = {"bf16": "f32", "int8": "i32", "q8_0": "i32"}[mode]
+    # little over 1/2, 1/4 and 9/32. Q4_1 adds an offset per 32 values to its layers (10/32),
+    # not to its Q8_0 embedding; Q4_K a scale and an offset per 32, Q6_K a scale per 16 (10/32).
+    low = {"bf16": 0.5, "int8": 0.25, "q8_0": 9 / 32, "q4_1": 9 / 32, "gguf": 10 / 32}[mode]
+    assert whole * low < stored < whole * (low + (0.06 if mode == "q4_1" else 0.03))
+    element = "bf16" if mode == "bf16" else "i8"
+    accumulator = "f32" if mode == "bf16" else "i32"
     narrow_matmul = (rf"linalg\.(?:batch_)?matmul .* ins\([^:]+ : tensor<\S+x{element}>, tensor<(?:\d+x)+{element}>\) "
                      rf"outs\([^:]+ : tensor<\S+x{accumulator}>\)")
     assert len(re.findall(narrow_matmul, text)) >= 4  # q/k/v, o, gate/up, down at least
@@ -100,7 +104,7 @@ def test_weights_are_stored_narrow_and_the_matmul_takes_them_as_they_are(quantiz
 
 
 def test_the_serving_runtime_generates_the_eager_models_greedy_tokens(quantized):
-    mode, artifacts, _, reference = quantized
+    mode, artifacts, _, reference, _ = quantized
     prompts = [[5, 9, 200, 31, 7], list(range(40, 70))]
     with LLM(artifacts) as llm:
         results = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
@@ -112,10 +116,10 @@ def test_the_serving_runtime_generates_the_eager_models_greedy_tokens(quantized)
         assert result.completions[0].token_ids == tokens
 
 
-@pytest.mark.parametrize("mode", ["int8", "q8_0"])
+@pytest.mark.parametrize("mode", ["int8", "q8_0", "q4_1", "gguf"])
 @pytest.mark.parametrize("target,arch", [("cuda", "sm_80"), ("rocm", "gfx942")])
 def test_gpu_targets_compile_the_integer_exports(request, mode, tmp_path, target, arch):
-    artifacts = request.getfixturevalue(f"tiny_{mode}_artifacts")
+    artifacts = request.getfixturevalue(f"{GGUFS.get(mode, 'tiny_' + mode)}_artifacts")
     out = tmp_path / f"model_{target}.vmfb"
     run_kiln("compile-vmfb", str(artifacts / "model.mlir"), "--target", target, "--arch", arch, "-o", str(out))
     assert out.stat().st_size > 10_000

@@ -12,13 +12,14 @@ from torch import nn
 from kiln.export.options import ExportOptions
 from kiln.models.llama import PagedLlama
 from kiln.models.quantize import (
-    ACTIVATION_GROUP, Q8_0_BLOCK, QuantizedEmbedding, QuantizedLinear, eager_weight_matmul, quantize_model,
+    ACTIVATION_GROUP, Q8_0_BLOCK, QuantizedEmbedding, QuantizedLinear, QuantizedWeight, eager_weight_matmul,
+    quantize_model,
     quantize_q8_0, quantize_rows, stacked_linear,
 )
 from kiln.models.sharded_llama import ShardedPagedLlama
 from kiln.runtime.device_layout import DeviceLayout
 from kiln.runtime.errors import ExportError
-from tests.tiny_model import make_tiny_checkpoint
+from tests.tiny_model import make_tiny_checkpoint, random_blocks
 
 
 def test_int8_rows_round_trip_within_half_a_step_and_zero_rows_stay_zero():
@@ -41,12 +42,14 @@ def test_int8_matmul_is_exact_and_bf16_sums_in_float32():
     torch.testing.assert_close(got, (x.double() @ w.double().T).float(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode,tolerance", [("bf16", 1e-2), ("int8", 3e-2), ("q8_0", 2e-2)])
+@pytest.mark.parametrize("mode,tolerance", [("bf16", 1e-2), ("int8", 3e-2), ("q8_0", 2e-2), ("q4_0", 0.2),
+                                            ("q4_1", 0.2)])
 def test_a_quantized_linear_approximates_the_float_one(mode, tolerance):
     torch.manual_seed(0)
     linear = nn.Linear(64, 96, bias=True)
     quantized = QuantizedLinear(linear, mode)
-    assert quantized.weight.dtype == {"bf16": torch.bfloat16, "int8": torch.int8, "q8_0": torch.int8}[mode]
+    assert quantized.weight.dtype == (torch.bfloat16 if mode == "bf16" else torch.int8)
+    assert (quantized.offset is None) == (mode != "q4_1")
     assert (quantized.scale is None) == (mode == "bf16")
     x = torch.randn(2, 5, 64)
     with torch.no_grad():
@@ -61,6 +64,13 @@ def test_a_quantized_linear_approximates_the_float_one(mode, tolerance):
     elif mode == "q8_0":
         blocks = linear.weight.abs().view(96, -1, Q8_0_BLOCK).amax(dim=-1, keepdim=True) / 127
         step = (blocks * (1 + 2 * 127 * 2**-11)).expand(-1, -1, Q8_0_BLOCK).reshape(96, 64)
+    elif mode in ("q4_0", "q4_1"):  # 16 levels per block, a float16 scale (and offset)
+        blocks = linear.weight.view(96, -1, Q8_0_BLOCK)
+        # Q4_0's levels run -8..7 steps from the largest |w|'s side: the other side's extreme
+        # is clamped a whole step short.
+        span = 2 * blocks.abs().amax(-1, keepdim=True) / 8 if mode == "q4_0" else (
+            blocks.amax(-1, keepdim=True) - blocks.amin(-1, keepdim=True)) / 15
+        step = (span * 1.02).expand(-1, -1, Q8_0_BLOCK).reshape(96, 64)
     else:
         step = linear.weight.abs() / 128
     assert ((quantized.dequantized() - linear.weight).abs() <= step / 2 + 1e-7).all()
@@ -110,12 +120,82 @@ def test_q8_0_blocks_are_ggmls_and_one_token_sums_each_block_with_both_scales():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_q4_1_blocks_sum_each_block_with_both_scales_and_add_the_quantized_input_sum_times_the_offset():
+    from kiln.models.gguf_blocks import quantize_blocks
+
+    torch.manual_seed(7)
+    weight = torch.randn(24, 3 * Q8_0_BLOCK) + torch.tensor([-2.0, 0, 3]).repeat_interleave(Q8_0_BLOCK)
+    blocks = quantize_blocks(weight.numpy(), "Q4_1")
+    assert blocks.values.min() >= 0 and blocks.values.max() <= 15 and blocks.offsets.shape == (3, 24)
+    layer = QuantizedLinear(nn.Linear(3 * Q8_0_BLOCK, 24, bias=False), "q4_1", stored=blocks)
+    x = torch.randn(2, 1, 3 * Q8_0_BLOCK)
+    with torch.no_grad():
+        got = layer(x)
+        many = x.expand(2, 3, -1)
+        torch.testing.assert_close(layer(many), many @ torch.from_numpy(blocks.dequantized()).T)
+    want = torch.zeros(2, 1, 24)
+    for block in range(3):
+        part = x[..., block * Q8_0_BLOCK:(block + 1) * Q8_0_BLOCK]
+        q, scale = quantize_rows(part)
+        w = torch.from_numpy(blocks.values[:, block * Q8_0_BLOCK:(block + 1) * Q8_0_BLOCK])
+        want += (q.double() @ w.double().T).float() * scale * torch.from_numpy(blocks.scales[block])
+        want += (q.float() * scale).sum(-1, keepdim=True) * torch.from_numpy(blocks.offsets[block])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_blocks_read_from_a_files_bytes_dequantize_as_gguf_py_does(qtype):
+    from gguf import GGMLQuantizationType, quants
+
+    from kiln.models.gguf_blocks import read_blocks
+
+    raw = random_blocks(qtype, 40, 512, scale=0.01)
+    blocks = read_blocks(raw, qtype, 40, 512)
+    assert blocks.values.dtype == np.int8 and blocks.block == (16 if qtype == "Q6_K" else 32)
+    assert blocks.scales.shape == (512 // blocks.block, 40)
+    assert (blocks.offsets is None) == (qtype in ("Q8_0", "Q4_0", "Q5_0", "Q6_K"))
+    assert (blocks.dequantized() == quants.dequantize(raw, GGMLQuantizationType[qtype])).all()
+    if qtype in ("Q8_0", "Q4_0", "Q4_1"):  # gguf-py quantizes these: an all-zero block stays zero
+        weight = np.random.default_rng(8).standard_normal((40, 96)).astype(np.float32)
+        weight[3, 32:64] = 0
+        raw = quants.quantize(weight, GGMLQuantizationType[qtype])
+        assert (read_blocks(raw, qtype, 40, 96).dequantized() == quants.dequantize(raw, GGMLQuantizationType[qtype])).all()
+
+
+def test_a_k_quant_mix_is_served_each_weight_in_its_own_blocks():
+    """Q4_K q/k beside a Q6_K v (blocks of 32 and 16) in one stacked matmul: each layer's output
+    as alone, and the one-token product the dequantized weight's with the per-block quantized
+    input."""
+    from kiln.models.gguf_blocks import read_blocks
+
+    torch.manual_seed(9)
+    layers = [QuantizedLinear(nn.Linear(512, n, bias=False), "gguf",
+                              stored=read_blocks(random_blocks(qtype, n, 512, seed, 0.01), qtype, n, 512))
+              for seed, (qtype, n) in enumerate([("Q4_K", 48), ("Q4_K", 16), ("Q6_K", 16)])]
+    x = torch.randn(3, 1, 512)
+    with torch.no_grad():
+        stacked = stacked_linear(layers, x)
+        separate = [layer(x) for layer in layers]
+    # The stack quantizes x per 16 for all three, the Q4_K layers alone per 32: close, not equal.
+    for got, want, layer in zip(stacked.split([48, 16, 16], dim=-1), separate, layers):
+        exact = x @ layer.dequantized().T
+        assert (got - exact).abs().max() < 0.02 * exact.abs().max()
+        assert (want - exact).abs().max() < 0.02 * exact.abs().max()
+    torch.testing.assert_close(stacked[..., 64:], separate[2], rtol=1e-5, atol=1e-5)  # Q6_K: per 16 either way
+
+
+def test_gguf_mode_needs_a_file_of_blocks():
+    with pytest.raises(ExportError, match="--quantize gguf serves a GGUF's own blocks"):
+        ExportOptions(quantize="gguf").validate(256, "none")
+    assert ExportOptions(quantize="gguf").validate(256, "q4_1").quantize == "gguf"
+
+
 def test_q8_0_keeps_a_width_that_is_no_multiple_of_32_in_row_scales():
     layer = QuantizedLinear(nn.Linear(48, 8, bias=False), "q8_0")
     assert layer.weight.dtype == torch.int8 and layer.scale.shape == (8,)
 
 
-@pytest.mark.parametrize("mode", ["bf16", "int8", "q8_0"])
+@pytest.mark.parametrize("mode", ["bf16", "int8", "q8_0", "q4_1"])
 def test_stacked_layers_give_each_layers_output(mode):
     torch.manual_seed(1)
     layers = [QuantizedLinear(nn.Linear(32, n, bias=True), mode) for n in (48, 16, 16)]
@@ -140,7 +220,7 @@ def test_a_quantized_embedding_looks_up_and_projects_with_the_same_rows():
 
 
 @pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("mode", ["bf16", "int8", "q8_0"])
+@pytest.mark.parametrize("mode", ["bf16", "int8", "q8_0", "q4_0", "q4_1"])
 def test_every_weight_matmul_of_a_model_is_replaced(mode, tied):
     checkpoint = make_tiny_checkpoint(seed=3, tie_word_embeddings=tied)
     model = PagedLlama(checkpoint.config, block_seq_stride=8).load_tensors(checkpoint.tensors).eval()
@@ -153,7 +233,20 @@ def test_every_weight_matmul_of_a_model_is_replaced(mode, tied):
     assert not [m for m in model.modules() if type(m) in (nn.Linear, nn.Embedding)]
     assert (model.lm_head is None) == tied
     stored = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert stored < float_bytes * {"bf16": 0.55, "int8": 0.3, "q8_0": 0.3}[mode]
+    assert stored < float_bytes * {"bf16": 0.55, "int8": 0.3, "q8_0": 0.3, "q4_0": 0.3, "q4_1": 0.33}[mode]
+    if mode.startswith("q4"):
+        # 16 levels per block move a random tiny model's near-flat logits past each other: the
+        # check is against the float model holding the weights the blocks stand for.
+        narrow = {f"{name}.weight": m.dequantized().numpy() for name, m in model.named_modules()
+                  if isinstance(m, QuantizedWeight)}
+        if tied:
+            narrow.pop("lm_head.weight", None)
+        dequantized = PagedLlama(checkpoint.config, block_seq_stride=8).load_tensors(
+            checkpoint.tensors | narrow).eval()
+        with torch.no_grad():
+            want = dequantized.forward_reference(tokens)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        return
     assert (got - want).abs().max() / want.abs().max() < {"bf16": 2e-2, "int8": 6e-2, "q8_0": 6e-2}[mode]
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
 
@@ -180,7 +273,7 @@ def test_quantize_is_checked_before_any_work():
 
 
 @pytest.mark.parametrize("dtype,stored,resolved", [
-    ("float32", "q8_0", "q8_0"), ("float32", "bf16", "bf16"), ("float32", "none", "none"),
+    ("float32", "q8_0", "q8_0"), ("float32", "q4_1", "q4_1"), ("float32", "bf16", "bf16"), ("float32", "none", "none"),
     ("float16", "q8_0", "none"),  # narrow activations: the file's blocks are widened to the dtype
 ])
 def test_auto_takes_the_files_own_quantization_where_activations_stay_float32(dtype, stored, resolved):
@@ -188,11 +281,27 @@ def test_auto_takes_the_files_own_quantization_where_activations_stay_float32(dt
     assert ExportOptions(quantize="int8").validate(256, stored).quantize == "int8"  # an explicit mode wins
 
 
+def _file_blocks(raw: np.ndarray, qtype: str, rows: int) -> tuple[np.ndarray, ...]:
+    """(values, scales, offsets or None) of a tensor's blocks, each [rows, blocks(, 32)], read
+    from ggml's byte layout as ggml-common.h writes it."""
+    size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[qtype]
+    blocks = np.asarray(raw).reshape(rows, -1, size)
+    scales = blocks[..., :2].copy().view(np.float16)[..., 0]
+    if qtype == "Q8_0":
+        return blocks[..., 2:].copy().view(np.int8), scales, None
+    packed = blocks[..., size - 16:].astype(np.int16)
+    values = np.concatenate([packed % 16, packed // 16], axis=-1)  # low nibbles first, then high
+    if qtype == "Q4_0":
+        return values - 8, scales, None
+    return values, scales, blocks[..., 2:4].copy().view(np.float16)[..., 0]
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0", "q4_1"])
 @pytest.mark.parametrize("tied", [True, False])
-def test_a_q8_0_gguf_is_served_from_its_own_blocks(tmp_path, tied):
-    """Every block of a Q8_0 file is what the export stores: its int8 values byte for byte, its
-    float16 scale exactly (held as float32); the weights they stand for are gguf-py's
-    dequantization of them."""
+def test_a_block_quantized_gguf_is_served_from_its_own_blocks(tmp_path, tied, dtype):
+    """Every block of a Q8_0, Q4_0 or Q4_1 file (whose embedding is Q8_0, as llama.cpp writes Q4
+    files) is what the export stores: its values byte for byte, its float16 scale and offset
+    exactly (held as float32); the weights they stand for are gguf-py's dequantization of them."""
     from gguf import GGMLQuantizationType, GGUFReader, quants
 
     from kiln.export.export_model import build_model
@@ -200,25 +309,27 @@ def test_a_q8_0_gguf_is_served_from_its_own_blocks(tmp_path, tied):
     from kiln.models.gguf_writer import write_gguf
     from kiln.models.loader import load_checkpoint
 
-    path = write_gguf(make_tiny_checkpoint(seed=6, tie_word_embeddings=tied), tmp_path / "tiny-q8_0.gguf", dtype="q8_0")
+    path = write_gguf(make_tiny_checkpoint(seed=6, tie_word_embeddings=tied), tmp_path / f"tiny-{dtype}.gguf", dtype=dtype)
     checkpoint = load_checkpoint(path)
-    assert checkpoint.stored_quantization == "q8_0"
+    assert checkpoint.stored_quantization == dtype
     model = build_model(checkpoint, ExportOptions().validate(256, checkpoint.stored_quantization))
     config, checked = checkpoint.config, 0
     for tensor in GGUFReader(path).tensors:
         if len(tensor.shape) != 2:
             continue
-        assert tensor.tensor_type == GGMLQuantizationType.Q8_0
+        qtype = tensor.tensor_type.name
+        assert qtype == ("Q8_0" if tensor.name == "token_embd.weight" else dtype.upper())
         rows = int(tensor.shape[1])
-        blocks = np.asarray(tensor.data).reshape(rows, -1, 34)
-        values, scales = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1), blocks[..., :2].copy().view(np.float16)
-        floats = quants.dequantize(np.asarray(tensor.data), GGMLQuantizationType.Q8_0).reshape(rows, -1)
+        values, scales, offsets = _file_blocks(tensor.data, qtype, rows)
+        floats = quants.dequantize(np.asarray(tensor.data), GGMLQuantizationType[qtype]).reshape(rows, -1)
         if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
             heads = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
             values, scales, floats = (unpermute_qk(a, heads) for a in (values, scales, floats))
+            offsets = None if offsets is None else unpermute_qk(offsets, heads)
         module = model.get_submodule(hf_tensor_name(tensor.name).removesuffix(".weight"))
-        assert (module.weight.numpy() == values).all(), tensor.name
-        assert (module.scale.numpy().T == scales.reshape(rows, -1)).all()  # each float16 scale, exactly
+        assert (module.weight.numpy() == values.reshape(rows, -1)).all(), tensor.name
+        assert (module.scale.numpy().T == scales).all()  # each float16 scale, exactly
+        assert (offsets is None) == (module.offset is None) and (offsets is None or (module.offset.numpy().T == offsets).all())
         assert (module.dequantized().numpy() == floats).all(), tensor.name
         checked += 1
     assert checked == 2 + 7 * config.num_hidden_layers - tied
@@ -229,5 +340,11 @@ def test_the_files_quantization_is_kept_only_when_every_weight_has_it():
 
     assert stored_quantization(["Q8_0"] * 5) == "q8_0"
     assert stored_quantization(["BF16"] * 5) == "bf16"
-    assert stored_quantization(["Q4_1"] * 4 + ["Q8_0"]) == "none"  # llama.cpp's Q4_1 files keep one Q8_0 tensor
+    # llama.cpp's Q4_1 files keep the embedding in Q8_0: both are blocks Kiln reads as stored.
+    assert stored_quantization(["Q4_1"] * 4 + ["Q8_0"]) == "q4_1"
+    assert stored_quantization(["Q4_0"] * 4 + ["Q8_0"]) == "q4_0"
+    assert stored_quantization(["Q4_K", "Q6_K", "Q8_0"]) == "gguf"  # a k-quant mix: each in its own type
+    assert stored_quantization(["Q4_1", "Q5_0"]) == "gguf"
+    assert stored_quantization(["Q4_K", "IQ4_XS"]) == "none"  # a type Kiln widens: all are widened
+    assert stored_quantization(["Q8_0", "BF16"]) == "none"
     assert stored_quantization(["F16", "F32"]) == "none"

@@ -92,17 +92,19 @@ def test_sigterm_drains_and_exits_0(start_server, smollm2_artifacts):
         httpx.get(server.url + "/health", timeout=2)
 
 
-def test_readme_main_command(smollm2_artifacts, tmp_path):
-    """`kiln serve` with no model: the bundled SmolLM2 from the keyed cache (built by the fixture)."""
+def test_readme_main_command(smollm2_default_artifacts, tmp_path):
+    """`kiln serve` with no model: the bundled SmolLM2 from the keyed cache (built by the fixture),
+    served from the file's own Q4_1 blocks, with the float32 reference's greedy tokens."""
     from tests.server_process import ServerProcess
 
+    assert json.loads((smollm2_default_artifacts / "model.kiln.json").read_text())["quantization"] == "q4_1"
     server = ServerProcess([], tmp_path / "server.log")
     try:
         server.wait_ready(timeout=600)
         [model] = httpx.get(server.url + "/v1/models").json()["data"]
         assert model["id"] == "SmolLM2-135M-Instruct"
         assert model["root"] == "SmolLM2-135M-Instruct"  # the name, never a path of the server's
-        assert f"loaded {smollm2_artifacts}" in server.log()  # the same build, not a second one
+        assert f"loaded {smollm2_default_artifacts}" in server.log()  # the same build, not a second one
         response = httpx.post(server.url + "/v1/completions", timeout=60, json={
             "model": "SmolLM2-135M-Instruct", "prompt": REFERENCE_PROMPT, "max_tokens": 32, "temperature": 0})
         assert response.json()["choices"][0]["text"] == REFERENCE_CONTINUATION
