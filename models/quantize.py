@@ -55,15 +55,20 @@ Q8_0_BLOCK = BLOCK  # input channels per Q8_0 block (ggml's QK8_0)
 BLOCK_MODES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "gguf": "Q8_0"}
 
 
-def eager_weight_matmul(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None) -> torch.Tensor:
+def eager_weight_matmul(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None,
+                        x_sum: torch.Tensor | None = None, w_offset: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., M, K] @ w [..., N, K]^T (batched alike) for bf16 inputs (float32 result) or int8
     ones (int32, exact). With w_scale (int8 only; [..., 1, N]), the sums come back as float32
-    times their column's scale."""
+    times their column's scale, and with x_sum [..., M, 1] and w_offset [..., 1, N] plus their
+    product."""
     if x.dtype == torch.int8:
         # float64 sums of int8 products are exact far past any model's K (|sum| < 2^53), and
         # unlike an int32 matmul they run as BLAS.
         sums = (x.double() @ w.double().transpose(-1, -2)).to(torch.int32)
-        return sums if w_scale is None else sums.float() * w_scale
+        if w_scale is None:
+            return sums
+        scaled = sums.float() * w_scale
+        return scaled if w_offset is None else scaled + x_sum * w_offset
     return x.float() @ w.float().transpose(-1, -2)
 
 
@@ -125,9 +130,19 @@ def weight_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     else:
         blocks = scale.dim() == 2
         group = k // scale.shape[0] if blocks else activation_group(k)
-        x_q, row_scale = quantize_rows(rows.float().view(-1, k // group, group))  # [M, G, g], [M, G, 1]
-        q, w = x_q.transpose(0, 1), weight.view(n, k // group, group).transpose(0, 1)  # [G, M, g], [G, N, g]
-        if blocks:
+        q, row_scale = quantize_rows(rows.float().view(-1, k // group, group))  # [M, G, g], [M, G, 1]
+        q, w = q.transpose(0, 1), weight.view(n, k // group, group).transpose(0, 1)  # [G, M, g], [G, N, g]
+        if blocks and offset is not None:
+            # Each block's input sum times its offset, from the quantized input as llama.cpp's
+            # Q4_1 dot product takes it: the product is then the dequantized weight's with the
+            # dequantized input. The float input's sum would leave the quantization error of
+            # the d * q part uncancelled by the offset's, and Q4_1's values are all >= 0: that
+            # moved a tiny model's logits 2.7% where this moves them 0.3%. In the matmul's own
+            # call, as the scale: a separate [M, G] x [G, N] product cost more than the offsets'
+            # bytes.
+            x_sum = q.float().sum(dim=-1, keepdim=True)  # [G, M, 1]
+            sums = matmul(q, w, scale.unsqueeze(1), x_sum, offset.unsqueeze(1))
+        elif blocks:
             # Each block's sum takes its weight scale in the matmul's own call, so what is
             # left is the int8 form's sum over blocks: with both scales in one expression
             # over the block axis, IREE 3.13's CPU code for it took 95-125 us per weight
@@ -138,14 +153,6 @@ def weight_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
         out = (sums * row_scale.permute(1, 0, 2)).sum(dim=0)
         if not blocks:
             out = out * scale
-        if offset is not None:
-            # Each block's input sum times its offset, from the quantized input as llama.cpp's
-            # Q4_1 dot product takes it: the product is then the dequantized weight's with the
-            # dequantized input. The float input's sum would leave the quantization error of
-            # the d * q part uncancelled by the offset's, and Q4_1's values are all >= 0: that
-            # moved a tiny model's logits 2.7% where this moves them 0.3%.
-            block_sums = x_q.float().sum(dim=-1) * row_scale.squeeze(-1)  # [M, G]
-            out = out + block_sums @ offset
     return out.view(*x.shape[:-1], n)
 
 
