@@ -36,8 +36,7 @@ class ExportOptions:
     # How the weight matmuls store their weights (models/quantize.py): "none" (as dtype),
     # "bf16", "int8" with a scale per output row, "q8_0"/"q4_0"/"q4_1" blocks (a GGUF's own
     # blocks where it stores them), or "gguf" (each of a GGUF's weights in its own block type);
-    # activations and KV stay
-    # float32. "auto" (QUANTIZE_CHOICES) is resolved by `validate`.
+    # activations and KV stay float32. "auto" (QUANTIZE_CHOICES) is resolved by `validate`.
     quantize: str = "auto"
     prefill_final_logits: bool = False
     # Also export prefill_last_bs<N>: the same prefill returning only each row's last

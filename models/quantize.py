@@ -1,6 +1,6 @@
 """Weights stored narrower than the activations: bfloat16; int8 with a scale per output row; or
-int8 values in llama.cpp's blocks of 32 input channels of a row, a scale per block (Q8_0, Q4_0)
-and an offset too (Q4_1).
+int8 values in llama.cpp's blocks of input channels of a row (32; Q6_K's 16), a scale per
+block (Q8_0, Q4_0, Q5_0, Q6_K) and an offset too (Q4_1, Q5_1, Q4_K, Q5_K).
 
 Only the weight matmuls and the token embedding change; activations, norms, attention and the
 KV cache stay float32. How a matmul uses the narrow weight depends on the call:
@@ -12,8 +12,8 @@ KV cache stay float32. How a matmul uses the narrow weight depends on the call:
   per group of ACTIVATION_GROUP input channels (as llama.cpp's Q8_0 dot products quantize
   theirs per 32), one int8 x int8 -> int32 matmul per group, summed with the groups' scales.
   The block types group their input by the weight's own blocks, so each group's sum takes both
-  scales; Q4_1's offsets add each block's input sum times the offset (llama.cpp's Q4_1 dot
-  product adds the same term).
+  scales; a block's offset adds its input sum times the offset (llama.cpp's Q4_1 dot product
+  adds the same term).
 - Many tokens per row (prefill, denoising): compute-bound, so the weight is widened to float32
   and the matmul runs as a float32 one (on this CPU a bf16 or grouped-int8 matmul of 512 rows
   was slower than the float32 one; benchmarks/NOTES.md). The weight's bytes stay narrow.
@@ -25,10 +25,10 @@ group of 64, 0.6%.
 Q8_0 quantizes by ggml's rule (d = max|block| / 127 rounded to float16, q = x / d rounded half
 away from zero). Re-quantizing what a Q8_0 GGUF dequantizes to gives back the file's blocks bit
 for bit (its largest |q| in a block is 127, so d comes back exactly): a Q8_0 file is served from
-its own values although the GGUF loader hands over float32 tensors. Q4_0 and Q4_1 cannot be
-recovered that way, so the loader reads a GGUF's blocks of all three types as they are stored
-(models/gguf_blocks.py) and `quantize_model` takes them; weights from anywhere else are
-quantized by gguf-py's reference quantizer for the type. The scales are held as float32 (each
+its own values although the GGUF loader hands over float32 tensors. The other types cannot be
+recovered that way, so the loader reads a GGUF's blocks of every type it serves as they are
+stored (models/gguf_blocks.py) and `quantize_model` takes them; weights from anywhere else are
+quantized by gguf-py's reference quantizer for the mode's type. The scales are held as float32 (each
 float16 scale exactly): IREE 3.13 widened a float16 table on every call rather than once, 1.9
 ms of a decode step for the tied embedding's.
 

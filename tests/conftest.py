@@ -60,25 +60,23 @@ def tiny_gguf(tiny_checkpoint, tmp_path_factory) -> Path:
     return path
 
 
+def _tiny_gguf_of(checkpoint, tmp_path_factory, dtype: str) -> Path:
+    from kiln.models.gguf_writer import write_gguf
+
+    return write_gguf(checkpoint, tmp_path_factory.mktemp(f"tiny-{dtype}-gguf") / f"tiny-{dtype}.gguf", dtype=dtype)
+
+
 @pytest.fixture(scope="session")
 def tiny_q8_0_gguf(tiny_checkpoint, tmp_path_factory) -> Path:
     """The tiny model as a Q8_0 GGUF (every weight matmul and the embedding in 32-value blocks)."""
-    from kiln.models.gguf_writer import write_gguf
-
-    path = tmp_path_factory.mktemp("tiny-q8_0-gguf") / "tiny-q8_0.gguf"
-    write_gguf(tiny_checkpoint, path, dtype="q8_0")
-    return path
+    return _tiny_gguf_of(tiny_checkpoint, tmp_path_factory, "q8_0")
 
 
 @pytest.fixture(scope="session")
 def tiny_q4_1_gguf(tiny_checkpoint, tmp_path_factory) -> Path:
     """The tiny model as a Q4_1 GGUF laid out as the bundled SmolLM2's: Q4_1 weight matmuls, the
     embedding in Q8_0."""
-    from kiln.models.gguf_writer import write_gguf
-
-    path = tmp_path_factory.mktemp("tiny-q4_1-gguf") / "tiny-q4_1.gguf"
-    write_gguf(tiny_checkpoint, path, dtype="q4_1")
-    return path
+    return _tiny_gguf_of(tiny_checkpoint, tmp_path_factory, "q4_1")
 
 
 def _export_and_compile(model: Path, out: Path, export_args=TINY_EXPORT_ARGS) -> Path:
