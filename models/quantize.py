@@ -137,9 +137,9 @@ def weight_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
             # Q4_1 dot product takes it: the product is then the dequantized weight's with the
             # dequantized input. The float input's sum would leave the quantization error of
             # the d * q part uncancelled by the offset's, and Q4_1's values are all >= 0: that
-            # moved a tiny model's logits 2.7% where this moves them 0.3%. In the matmul's own
-            # call, as the scale: a separate [M, G] x [G, N] product cost more than the offsets'
-            # bytes.
+            # moved a tiny model's logits 2.7% where this moves them 1.3%. Added in the matmul's
+            # own call, as the scale is, rather than as a separate [M, G] x [G, N] product (the
+            # two measured within noise of each other; benchmarks/NOTES.md).
             x_sum = q.float().sum(dim=-1, keepdim=True)  # [G, M, 1]
             sums = matmul(q, w, scale.unsqueeze(1), x_sum, offset.unsqueeze(1))
         elif blocks:
