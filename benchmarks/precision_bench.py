@@ -5,10 +5,9 @@ precision's weight bytes set.
     python -m benchmarks.precision_bench [--rounds 5] [--llama-cpp] [--precisions f32,q4_1]
 
 Each precision is exported with the serving path's functions (prefill_last at batch 1, decode at
-batch 2, which carries a lone sequence beside a padding row, and at batch 8) and compiled for
-this CPU. Then, in one process with no torch in it, every round times each precision's calls in
+batch 1 and 8) and compiled for this CPU. Then, in one process with no torch in it, every round times each precision's calls in
 turn, the order alternating from round to round: a decode step at 128 tokens of context (median
-of 30 calls) at batch 2 and 8, and a 512-token prefill (median of 3). Ratios are taken within
+of 30 calls) at batch 1 and 8, and a 512-token prefill (median of 3). Ratios are taken within
 a round (float32's time over the other's) and their median quoted, so a slow spell of this
 shared machine cannot land on one precision only. The floor is the step time if the step only
 had to stream the parameters once at the bandwidth measured in the same run.
@@ -36,7 +35,7 @@ RESULTS_DIR = Path(__file__).parent / "results"
 # Each precision's `--quantize` on the bundled Q4_1 file: q4_1 serves its own blocks.
 PRECISIONS = {"f32": "none", "bf16w": "bf16", "int8": "int8", "q8_0": "q8_0", "q4_1": "q4_1"}
 CONTEXT, PREFILL_TOKENS, PAGES, GENERATED = 128, 512, 160, 128
-DECODE_BATCHES = (2, 8)
+DECODE_BATCHES = (1, 8)
 # The GGUF each precision is paired with in llama.cpp (`--llama-cpp`): its own bf16, and Q8_0
 # (int8 in 32-weight blocks with a float16 scale each) for Kiln's int8 and Q8_0. Kiln's Q8_0
 # blocks are those of llama.cpp's file: both quantize the same float32 weights by ggml's rule.
@@ -73,7 +72,7 @@ class Calls:
         largest = max(DECODE_BATCHES)
         self.tables = np.arange(1, 1 + largest * blocks).reshape(largest, blocks)
         self.first = self.prefill(CONTEXT)  # each row's context is the same 128 tokens: real pages to read
-        self.greedy = [int(self.decode(2)[0, 0].argmax())]
+        self.greedy = [int(self.decode(1)[0, 0].argmax())]
         self.resident_mib = resident_mib() - before
 
     def prefill(self, tokens: int = PREFILL_TOKENS) -> int:
@@ -89,10 +88,10 @@ class Calls:
 
     def generation_tok_s(self, rows: int, steps: int = GENERATED) -> float:
         """llama-batched-bench's decode figure: `rows` sequences' tokens/s over `steps` decode steps
-        from CONTEXT tokens on (the context grows as it goes; no sampling). One row decodes in the
-        batch-2 function beside a padding row, as the server runs a lone sequence."""
+        from CONTEXT tokens on (the context grows as it goes; no sampling), in the smallest decode
+        function that holds them, as the server runs them."""
         stride = self.program.params.block_seq_stride
-        batch = max(rows, min(DECODE_BATCHES))
+        batch = min(b for b in DECODE_BATCHES if b >= rows)
         blocks = (CONTEXT + steps) // stride + 1
         tables = np.zeros((batch, blocks), np.int64)
         tables[:rows] = np.arange(1, 1 + rows * blocks).reshape(rows, blocks)
@@ -144,7 +143,7 @@ def measure(artifacts: dict[str, Path], rounds: int, llama_cpp: bool) -> dict:
             "parameter_mib": round(parameter_bytes / 2**20, 1),
             "resident_mib": round(calls[name].resident_mib, 1),
             "floor_step_ms": round(floor["step_ms"], 2),
-            "of_floor": round(floor["step_ms"] / row["decode_bs2_ms"], 2),
+            "of_floor": round(floor["step_ms"] / row["decode_bs1_ms"], 2),
             "greedy_after_prompt": [calls[name].first, *calls[name].greedy],
             "rounds": times[name],
         })
@@ -186,12 +185,12 @@ def main() -> None:
         log("measuring")
         report = measure(artifacts, args.rounds, args.llama_cpp)
     print(f"memory read bandwidth {report['membw']['read_gb_s']:.1f} GB/s")
-    print(f"{'weights':<8} {'params MiB':>10} {'resident MiB':>12} {'decode bs2 ms':>13} {'bs8 ms':>7} "
-          f"{'prefill 512 ms':>14} {'floor ms':>8} {'of floor':>8}  speed-up vs f32 (bs2 / bs8 / prefill)")
+    print(f"{'weights':<8} {'params MiB':>10} {'resident MiB':>12} {'decode bs1 ms':>13} {'bs8 ms':>7} "
+          f"{'prefill 512 ms':>14} {'floor ms':>8} {'of floor':>8}  speed-up vs f32 (bs1 / bs8 / prefill)")
     for name, r in report["results"].items():
         up = r.get("speedup_vs_f32")
-        ups = " / ".join(f"{up[k]:.2f}x" for k in ("decode_bs2_ms", "decode_bs8_ms", "prefill_512_ms")) if up else "-"
-        print(f"{name:<8} {r['parameter_mib']:>10} {r['resident_mib']:>12} {r['decode_bs2_ms']:>13} "
+        ups = " / ".join(f"{up[k]:.2f}x" for k in ("decode_bs1_ms", "decode_bs8_ms", "prefill_512_ms")) if up else "-"
+        print(f"{name:<8} {r['parameter_mib']:>10} {r['resident_mib']:>12} {r['decode_bs1_ms']:>13} "
               f"{r['decode_bs8_ms']:>7} {r['prefill_512_ms']:>14} {r['floor_step_ms']:>8} {r['of_floor']:>8}  {ups}")
     if args.llama_cpp:
         print(f"{'weights':<8} {'llama.cpp':>9} {'Kiln / llama.cpp decode tok/s, batch 1':>40} {'batch 8':>8} "

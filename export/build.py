@@ -66,8 +66,7 @@ def default_build_options(dtype: str = "float32", kv_cache_dtype: str = "", tens
     one definition, so both land on the same cache key and the model is built once."""
     # 1024 pages of 16 tokens: 16 sequences of 1024 tokens decode at once without
     # preemption (256 pages held ~10 of the serving benchmark's 384-token requests).
-    # No decode_bs1: one sequence decodes in a batch of 2 (see ExportOptions.decode_batch_sizes).
-    return ExportOptions(decode_batch_sizes=(2, 4, 8, 16), dtype=dtype, max_seq_len=4096, device_block_count=1024,
+    return ExportOptions(decode_batch_sizes=(1, 2, 4, 8, 16), dtype=dtype, max_seq_len=4096, device_block_count=1024,
                          kv_cache_dtype=kv_cache_dtype, tensor_parallel=tensor_parallel,
                          pipeline_parallel=pipeline_parallel, quantize=quantize)
 

@@ -118,30 +118,32 @@ class Attention(nn.Module):
         kv_heads, s = keys_t.shape[1], keys_t.shape[3]
         group = heads // kv_heads
         dtype = q.dtype
-        if n == 1 and t == 1:
-            # Batch-1 decode keeps SDPA: IREE 3.13 miscompiles the matmul form below at
-            # N = 1, T = 1 on SmolLM2's shapes (wrong logits; batch 2+ are right). The mask is
-            # the same value in every layer; the compiler computes it once.
-            keys = keys_t.transpose(2, 3).to(dtype).repeat_interleave(group, dim=1)
-            values = values.to(dtype).repeat_interleave(group, dim=1)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias == 0)
-            return self.o_proj(out.transpose(1, 2).reshape(n, t, heads * d))
-        q = q.float().reshape(n, kv_heads, group * t, d)
+        decode = t == 1
+        if n == 1 and decode:
+            # A lone decode row asks its query twice, as a two-token step would: IREE 3.13
+            # miscompiles this form at N = 1, T = 1 on SmolLM2's shapes (three query heads
+            # per K/V head; wrong logits), and compiles the two-query form right. The copy
+            # costs one more row in two small matmuls; SDPA, the other correct form, cost
+            # ~8 ms a step more here (its fused attention op and a transposing gather).
+            q, bias = torch.cat((q, q), dim=2), torch.cat((bias, bias), dim=2)
+        rows = q.shape[2]
+        q = q.float().reshape(n, kv_heads, group * rows, d)
         scores = torch.matmul(q, keys_t.float()) * (1.0 / math.sqrt(d))
-        scores = scores.view(n, kv_heads, group, t, s) + bias.view(n, 1, 1, t, s)
-        blocks = scores.view(n, kv_heads, group, t, s // block, block)
+        scores = scores.view(n, kv_heads, group, rows, s) + bias.view(n, 1, 1, rows, s)
+        blocks = scores.view(n, kv_heads, group, rows, s // block, block)
         weights = torch.exp(blocks - blocks.amax(dim=(-2, -1), keepdim=True))
-        if t == 1:
+        if decode:
             # Decode normalizes after the product: before it, IREE fuses the division into
             # the matmul and emits a zero-sized `affine.delinearize_index` at T = 1.
-            total = weights.sum(dim=(-2, -1)).view(n, kv_heads, group, 1)
-            out = torch.matmul(weights.view(n, kv_heads, group, s), values.float()) / total
+            total = weights.sum(dim=(-2, -1)).view(n, kv_heads, group * rows, 1)
+            out = torch.matmul(weights.view(n, kv_heads, group * rows, s), values.float()) / total
         else:
             # Prefill normalizes first: after the product, IREE fuses the division into the
             # output projection's data-tiled packing and needs a dynamic stack allocation.
             weights = weights / weights.sum(dim=(-2, -1), keepdim=True)
-            out = torch.matmul(weights.view(n, kv_heads, group * t, s), values.float())
-        out = out.view(n, kv_heads, group, t, d).permute(0, 3, 1, 2, 4).reshape(n, t, heads * d)
+            out = torch.matmul(weights.view(n, kv_heads, group * rows, s), values.float())
+        out = out.view(n, kv_heads, group, rows, d)[:, :, :, :t]
+        out = out.permute(0, 3, 1, 2, 4).reshape(n, t, heads * d)
         return self.o_proj(out.to(dtype))
 
 

@@ -73,7 +73,7 @@ def test_table_shows_calls_break_even_tokens_per_forward_and_ratios():
     text = render_table(RESULTS)
     assert "| denoise, full canvas (T=320) | 300.0 | 2400.0 | 15.0 | 48.0 |" in text
     assert "| denoise_top, dual-cache block (T=32, keys 320) | 30.0 | 150.0 | 1.5 | 3.0 |" in text
-    assert "| AR decode step (context 320; batch 1 runs decode_bs2) | 20.0 | 50.0 | | |" in text
+    assert "| AR decode step (context 320) | 20.0 | 50.0 | | |" in text
     assert "| Fast-dLLM threshold 0.5, cache dual | 100 | 2.56 |" in text
     assert "| 1 | 4.00 | 16.0 | 1.00 | 64.0 | 4.00x | 70 / 70 |" in text
     assert "| 8 | 32.00 | 2.0 | 4.00 | 16.0 | 8.00x | 560 / 561 |" in text
