@@ -5,12 +5,12 @@ precision's weight bytes set.
     python -m benchmarks.precision_bench [--rounds 5] [--llama-cpp] [--precisions f32,q4_1]
 
 Each precision is exported with the serving path's functions (prefill_last at batch 1, decode at
-batch 1 and 8) and compiled for this CPU. Then, in one process with no torch in it, every round times each precision's calls in
-turn, the order alternating from round to round: a decode step at 128 tokens of context (median
-of 30 calls) at batch 1 and 8, and a 512-token prefill (median of 3). Ratios are taken within
-a round (float32's time over the other's) and their median quoted, so a slow spell of this
-shared machine cannot land on one precision only. The floor is the step time if the step only
-had to stream the parameters once at the bandwidth measured in the same run.
+batch 1 and 8) and compiled for this CPU. Then, in one process with no torch in it, every round
+times each precision's calls in turn, the order alternating from round to round: a decode step at
+128 tokens of context (median of 30 calls) at batch 1 and 8, and a 512-token prefill (median of
+3). Ratios are taken within a round (float32's time over the other's) and their median quoted, so
+a slow spell of this shared machine cannot land on one precision only. The floor is the step time
+if the step only had to stream the parameters once at the bandwidth measured in the same run.
 Writes benchmarks/results/precision-<date>.json.
 """
 
