@@ -6,7 +6,8 @@ The float32 model is the bundled Q4_1 file dequantized. Q4_1 serves the file's o
 weights are float32's exactly and only its decode steps' quantized activations differ.
 
 Against float32: greedy tokens on reference prompts (a prefill, then decode steps) agree for
-the first 16 tokens (bf16, int8; Q8_0 and Q4_1 wherever float32's choice is not a near tie), and
+the first 16 tokens (bf16; int8 on the prompts where float32's path has no near tie; int8, Q8_0
+and Q4_1 wherever float32's choice is not a near tie), and
 the mean log-probability of each next token over a fixed English text (CPython's LICENSE.txt,
 which every Python install ships) moves by less than 1% (bf16) and 2% (int8, Q8_0, Q4_1) on both
 paths: 2,048 tokens as one prefill (weights widened to float32) and 128 tokens fed one decode
@@ -32,6 +33,11 @@ pytestmark = pytest.mark.smollm2
 # "def fibonacci(n):" parts from float32 at its fifth token, where float32's two best logits
 # are 0.23 apart (benchmarks/NOTES.md).
 PROMPTS = ["1, 2, 3, 4, 5,", "Once upon a time", "What is 2+2?"]
+# int8 quantizes a decode step's activations per token and per 64 channels: it leaves float32's
+# path at near ties on "Once upon a time" (its third token, float32's best two 0.50 apart),
+# "def fibonacci(n):" (sixth, 0.23) and "The capital of France is" (sixth, 0.22), so its greedy
+# check takes prompts that hold, and the near-tie check below covers it on all of them.
+GREEDY_PROMPTS = {"bf16": PROMPTS, "int8": ["1, 2, 3, 4, 5,", "What is 2+2?", "Hello, my name is"]}
 # Q8_0 and Q4_1 quantize a decode step's activations per 32 channels, as llama.cpp does: their
 # logits sit within ~1 of float32's, so they may take the other of two nearly tied tokens (Q8_0:
 # "What is 2+2?" at its ninth token, 0.22 apart; "Hello, my name is" at its seventh, 0.02 apart;
@@ -89,7 +95,7 @@ def greedy(model, ids: list[int]) -> list[int]:
 
 @pytest.mark.parametrize("mode", ["bf16", "int8"])
 def test_greedy_tokens_match_float32(models, tokenizer, mode):
-    for prompt in PROMPTS:
+    for prompt in GREEDY_PROMPTS[mode]:
         ids = tokenizer.encode(prompt, add_special_tokens=False).ids
         assert greedy(models[mode], ids) == greedy(models["none"], ids), prompt
 
@@ -102,10 +108,10 @@ def test_mean_log_probability_over_a_fixed_text(models, text_ids, path):
         assert change < limit, f"{mode}: mean log-probability {change:.2%} from float32's"
 
 
-@pytest.mark.parametrize("mode", ["q8_0", "q4_1"])
-def test_block_types_pick_float32s_token_wherever_float32_is_not_near_a_tie(models, tokenizer, mode):
-    """Along float32's greedy path (each step fed float32's token), Q8_0's and Q4_1's best token is
-    float32's at every position where float32's two best logits are NEAR_TIE or more apart."""
+@pytest.mark.parametrize("mode", ["int8", "q8_0", "q4_1"])
+def test_integer_types_pick_float32s_token_wherever_float32_is_not_near_a_tie(models, tokenizer, mode):
+    """Along float32's greedy path (each step fed float32's token), int8's, Q8_0's and Q4_1's best
+    token is float32's at every position where float32's two best logits are NEAR_TIE or more apart."""
     decided = 0
     for prompt in [*PROMPTS, "def fibonacci(n):", "Hello, my name is"]:
         ids = tokenizer.encode(prompt, add_special_tokens=False).ids
