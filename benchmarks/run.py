@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     args.engines = [e for e in args.engines.split(",") if e]
     args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    args.rates = [float(r) for r in args.rates.split(",")]
+    args.rates = [float(r) for r in args.rates.split(",") if r]
     args.paired = [s.strip() for s in args.paired.split(",") if s.strip()]
     if len(args.paired) != 2:
         parser.error("--paired takes two servers")
