@@ -29,9 +29,7 @@ from tests.eager_paged import EagerSequence
 
 pytestmark = pytest.mark.smollm2
 
-# The SmolLM2 tests' reference prompt and two more. Not every prompt holds 16 tokens at int8:
-# "def fibonacci(n):" parts from float32 at its fifth token, where float32's two best logits
-# are 0.23 apart (benchmarks/NOTES.md).
+# The SmolLM2 tests' reference prompt and two more.
 PROMPTS = ["1, 2, 3, 4, 5,", "Once upon a time", "What is 2+2?"]
 # int8 quantizes a decode step's activations per token and per 64 channels: it leaves float32's
 # path at near ties on "Once upon a time" (its third token, float32's best two 0.50 apart),
