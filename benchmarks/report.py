@@ -94,6 +94,77 @@ def paired_table(paired: dict) -> str:
     return "\n".join(lines)
 
 
+def paired_summaries(results: dict) -> list[dict]:
+    """The paired step's pairs: a list, or one pair as a dict in results written before it
+    took several."""
+    paired = results.get("paired") or []
+    return [paired] if isinstance(paired, dict) else paired
+
+
+# The precision step's rows and the llama.cpp type each is paired with, as the tables name them.
+PRECISION_LABELS = {"f32": "f32", "bf16w": "bf16", "int8": "int8", "q8_0": "Q8_0", "q4_1": "Q4_1"}
+
+
+def precision_table(precision: dict) -> str:
+    """The precision step: Kiln's compiled calls per weight precision, and beside llama.cpp."""
+    lines = ["| weights | decode step bs1 (ms) | bs8 (ms) | prefill 512 (ms) | floor (ms) | of floor | "
+             "vs Kiln f32 (bs1 / bs8 / prefill) | vs llama.cpp: decode bs1 / bs8 | prefill 512 time |",
+             "|---|---:|---:|---:|---:|---:|---|---|---:|"]
+    for name, r in precision["results"].items():
+        up = r.get("speedup_vs_f32")
+        ups = " / ".join(f"{up[k]:.2f}x" for k in ("decode_bs1_ms", "decode_bs8_ms", "prefill_512_ms")) if up else "–"
+        peer = (r.get("llama_cpp") or {}).get("ratio")
+        versus = f"{peer['decode_bs1']:.2f}x / {peer['decode_bs8']:.2f}x ({r['llama_cpp']['type'].upper()})" if peer else "–"
+        lines.append(f"| {PRECISION_LABELS.get(name, name)} | {r['decode_bs1_ms']:.1f} | {r['decode_bs8_ms']:.1f} | "
+                     f"{r['prefill_512_ms']:.0f} | {r['floor_step_ms']:.1f} | {r['of_floor']:.2f} | {ups} | {versus} | "
+                     f"{_num(peer and peer['prefill_512_time'], '{:.2f}x')} |")
+    return "\n".join(lines)
+
+
+def precision_targets(results: dict) -> list[tuple[str, str, bool | None]]:
+    """The weight-precision targets: decode at batch 1 and 8 and prefill beside llama.cpp at the
+    same precision, bf16 over Kiln's f32, each precision's share of its bandwidth floor, and
+    serving at concurrency 16 beside llama.cpp's server (the paired step's pairs)."""
+    rows = []
+    measured = (results.get("precision") or {}).get("results", {})
+    for name, r in measured.items():
+        label = PRECISION_LABELS.get(name, name)
+        peer = (r.get("llama_cpp") or {}).get("ratio")
+        if peer:
+            theirs = r["llama_cpp"]["type"].upper()
+            rows.append((f"decode bs1: kiln {label} ≥ 1.0x llama.cpp {theirs}", f"{peer['decode_bs1']:.2f}x",
+                         peer["decode_bs1"] >= 1.0))
+            rows.append((f"decode bs8: kiln {label} ≥ 1.3x llama.cpp {theirs}", f"{peer['decode_bs8']:.2f}x",
+                         peer["decode_bs8"] >= 1.3))
+            rows.append((f"prefill 512: kiln {label} ≤ 0.8x llama.cpp {theirs}'s time", f"{peer['prefill_512_time']:.2f}x",
+                         peer["prefill_512_time"] <= 0.8))
+        rows.append((f"decode bs1: kiln {label} ≥ 0.85 of its bandwidth floor", f"{r['of_floor']:.2f}", r["of_floor"] >= 0.85))
+    bf16 = measured.get("bf16w", {}).get("speedup_vs_f32")
+    if bf16:
+        rows.append(("decode bs1: kiln bf16 ≥ 1.6x kiln f32", f"{bf16['decode_bs1_ms']:.2f}x", bf16["decode_bs1_ms"] >= 1.6))
+    for paired in paired_summaries(results):
+        first, second = paired["engines"]
+        if first.split()[0] != "kiln" or first == "kiln f32" or not paired.get("median_ratio"):
+            continue  # kiln f32's pair is among the serving targets below
+        r = paired["median_ratio"]
+        rows.append((f"serving c=16: {first} out tok/s ≥ 1.2x {second}",
+                     f"{r:.2f}x (median of {paired['paired_rounds']} paired rounds)", r >= 1.2))
+        ttft = _paired_ttft(paired)
+        if ttft:
+            rows.append((f"serving c=16: {first} TTFT p50 below {second}", f"{ttft[0]:.0f} vs {ttft[1]:.0f} ms",
+                         ttft[0] < ttft[1]))
+    return rows
+
+
+def _paired_ttft(paired: dict) -> tuple[float, float] | None:
+    """Each engine's TTFT p50, the median over the paired rounds where both completed."""
+    both = [entry["runs"] for entry in paired["rounds"] if entry.get("ratio") is not None]
+    values = [[runs[name].get("p50_ttft_ms") for runs in both] for name in paired["engines"]]
+    if not both or any(v is None for column in values for v in column):
+        return None
+    return statistics.median(values[0]), statistics.median(values[1])
+
+
 def _at_concurrency(results: dict, name: str, concurrency: int) -> dict | None:
     """That engine's run at this concurrency, if it completed requests (a cut-short run
     whose every request failed has no throughput to compare)."""
@@ -132,11 +203,11 @@ def targets(results: dict) -> list[tuple[str, str, bool | None]]:
     if k and t:
         rows.append(("prefill 512: kiln f32 ≤ torch eager (transformers f32)", f"{k:.0f} vs {t:.0f} ms", k <= t))
     kiln16 = _at_concurrency(results, "kiln f32", 16)
-    paired = results.get("paired") or {}
     for peer, want in (("shortfin f32", 3.0), ("llama.cpp f32", 1.2)):
         other = _at_concurrency(results, peer, 16)
         target = f"serving c=16: kiln out tok/s ≥ {want}x {peer}"
-        if paired.get("engines") == ["kiln f32", peer] and paired.get("median_ratio"):
+        paired = next((p for p in paired_summaries(results) if p["engines"] == ["kiln f32", peer]), {})
+        if paired.get("median_ratio"):
             # Paired rounds beat one sweep apart: quote their median.
             r = paired["median_ratio"]
             rows.append((target, f"{r:.2f}x (median of {paired['paired_rounds']} paired rounds)", r >= want))
@@ -151,7 +222,7 @@ def targets(results: dict) -> list[tuple[str, str, bool | None]]:
     if "trie" in prefix and "none" in prefix:
         r = ratio(prefix["none"]["p50_ttft_ms"], prefix["trie"]["p50_ttft_ms"])
         rows.append(("shared prefix: TTFT ≥ 3x better with the trie", f"{r:.2f}x", r >= 3.0))
-    return rows
+    return rows + precision_targets(results)
 
 
 def targets_table(results: dict) -> str:
@@ -172,9 +243,10 @@ def tables(results: dict) -> str:
         f"Measured {results.get('date', '?')} on {results.get('machine', {}).get('cpus', '?')} CPUs; "
         f"{results.get('model', '')}."
         + (f" Memory bandwidth (read, {bw['threads']} threads): {bw['read_gb_s']:.1f} GB/s." if bw else ""),
-        "", "Offline (batch 1 unless noted; decode after a 128-token prompt, 128 tokens"
-        + _rounds_note(results.get("offline", [])) + "):", "", offline_table(results),
     ]
+    if results.get("offline"):
+        parts += ["", "Offline (batch 1 unless noted; decode after a 128-token prompt, 128 tokens"
+                  + _rounds_note(results["offline"]) + "):", "", offline_table(results)]
     if results.get("serving"):
         parts += ["", "Serving (random 256-token prompts, 128 output tokens, ignore_eos, streaming):", "",
                   serving_table(results)]
@@ -187,9 +259,17 @@ def tables(results: dict) -> str:
         for name, r in results["guidellm_check"].items():
             parts.append(f"| {name} | {r['output_throughput']:.1f} | {_num(r.get('p50_ttft_ms'), '{:.0f}')} | "
                          f"{_num(r.get('p50_tpot_ms'))} |")
-    if (results.get("paired") or {}).get("rounds"):
-        parts += ["", "Concurrency 16, the two engines of the target in alternating rounds (same prompts "
-                  "within a round; each ratio pairs runs minutes apart):", "", paired_table(results["paired"])]
+    if results.get("precision"):
+        bw = results["precision"]["membw"]["read_gb_s"]
+        parts += ["", "Weight precisions (`--quantize`), Kiln's compiled calls in paired rounds: a decode step at "
+                  "128 tokens of context, a 512-token prefill; beside llama.cpp (llama-batched-bench, same "
+                  "weights) as medians of per-round ratios, decode in tokens/s over 128 generated tokens, "
+                  f"prefill as Kiln's time over llama.cpp's; floors at {bw:.1f} GB/s:", "",
+                  precision_table(results["precision"])]
+    for paired in paired_summaries(results):
+        if paired.get("rounds"):
+            parts += ["", f"Concurrency 16, {paired['engines'][0]} and {paired['engines'][1]} in alternating rounds "
+                      "(same prompts within a round; each ratio pairs runs minutes apart):", "", paired_table(paired)]
     if results.get("prefix"):
         parts += ["", "Shared prefix (32 requests, 1024-token common prefix + 32 own tokens, 32 out, concurrency 4):",
                   "", prefix_table(results)]

@@ -2,7 +2,7 @@
 same model (SmolLM2-135M-Instruct), same moment.
 
     python -m benchmarks.run                       # everything (peers set up on first use)
-    python -m benchmarks.run --steps offline       # a part: membw, offline, serving, paired, prefix, runtimes
+    python -m benchmarks.run --steps offline       # a part: membw, offline, precision, serving, paired, prefix, runtimes
     python -m benchmarks.run --engines kiln        # Kiln only (no peers)
 
 Writes benchmarks/results/<date>.json, PNG plots beside it (stable names, so the links in
@@ -25,15 +25,19 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks import kiln_offline, membw, report
+from benchmarks import kiln_offline, membw, precision_bench, report
 from benchmarks.peers.common import free_port, heavy_lock, log, stop_process, wait_http
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
-ALL_STEPS = ("membw", "offline", "serving", "paired", "prefix", "runtimes")
+ALL_STEPS = ("membw", "offline", "precision", "serving", "paired", "prefix", "runtimes")
 ALL_ENGINES = ("kiln", "llama.cpp", "transformers", "shortfin")
 SLOW_ENGINES = ("shortfin",)
 PAIRED_CONCURRENCY = 16  # the serving target's load
+# The paired step's default: each weight precision beside llama.cpp's server on the matching
+# GGUF (Kiln's bf16 weights beside llama.cpp's BF16; q4_1 is the bundled file, as `kiln serve`
+# runs it with no flags).
+DEFAULT_PAIRS = "kiln f32,llama.cpp f32;kiln bf16w,llama.cpp bf16;kiln q8_0,llama.cpp q8_0;kiln q4_1,llama.cpp q4_1"
 
 
 # -- servers ------------------------------------------------------------------------------------
@@ -138,6 +142,19 @@ def step_offline(results: dict, args) -> None:
         }
 
 
+def step_precision(results: dict, args) -> None:
+    """Each weight precision's compiled calls in paired rounds, beside llama.cpp's
+    llama-batched-bench on the matching GGUF when llama.cpp takes part
+    (benchmarks/precision_bench.py): the decode and prefill targets at every precision."""
+    if "kiln" not in args.engines or args.precision_rounds < 1:
+        return
+    artifacts = {}
+    for name in args.precisions:
+        log(f"precision: building SmolLM2 with {name} weights")
+        artifacts[name] = precision_bench.build(precision_bench.PRECISIONS[name])
+    results["precision"] = precision_bench.measure(artifacts, args.precision_rounds, "llama.cpp" in args.engines)
+
+
 def best_of_rounds(rounds: list[dict]) -> dict:
     """One row from several rounds of one engine: the highest tokens/s, the lowest ms."""
     good = [r for r in rounds if "error" not in r]
@@ -217,32 +234,36 @@ def step_serving(results: dict, args) -> None:
 
 
 def step_paired(results: dict, args) -> None:
-    """The c=16 target's two engines served in alternating rounds (A B, B A, ...), each
-    round on the same fresh prompts, so the ratio pairs runs minutes apart rather than a
-    sweep apart: the shared machine's speed drifts more than the gap being measured."""
+    """Each pair of servers at concurrency 16 in alternating rounds (A B, B A, ...), each round
+    on the same fresh prompts, so a ratio pairs runs minutes apart rather than a sweep apart:
+    the shared machine's speed drifts more than the gap being measured."""
     from benchmarks import loadgen
 
-    names = [name for name in args.paired if name.split()[0] in args.engines]
-    if len(names) != 2 or args.paired_rounds < 1:
-        return
-    tokenizer = _tokenizer_for_loadgen()
-    rounds = []
-    for index in range(args.paired_rounds):
-        order = names if index % 2 == 0 else names[::-1]
-        # A seed per round: each server process is new, but the prompts must not repeat.
-        workload = loadgen.make_workload("random", tokenizer, num_requests=int(32 * args.scale), seed=300 + index)
-        figures = {}
-        for name in order:
-            log(f"paired c=16: {name} (round {index + 1} of {args.paired_rounds})")
-            try:
-                with SERVERS[name]() as (backend, url):
-                    figures[name] = loadgen.run(backend, url, workload, concurrency=PAIRED_CONCURRENCY)
-                _say(name, figures[name])
-            except Exception:  # one engine failing must not lose the other's figures
-                figures[name] = {"error": traceback.format_exc(limit=3)}
-                log(f"paired {name} failed:\n{figures[name]['error']}")
-        rounds.append({"order": order, "runs": figures})
-    results["paired"] = paired_summary(names, rounds)
+    summaries = []
+    for pair in args.paired:
+        names = [name for name in pair if name.split()[0] in args.engines]
+        if len(names) != 2 or args.paired_rounds < 1:
+            continue
+        tokenizer = _tokenizer_for_loadgen()
+        rounds = []
+        for index in range(args.paired_rounds):
+            order = names if index % 2 == 0 else names[::-1]
+            # A seed per round: each server process is new, but the prompts must not repeat.
+            workload = loadgen.make_workload("random", tokenizer, num_requests=int(32 * args.scale), seed=300 + index)
+            figures = {}
+            for name in order:
+                log(f"paired c=16: {name} (round {index + 1} of {args.paired_rounds})")
+                try:
+                    with SERVERS[name]() as (backend, url):
+                        figures[name] = loadgen.run(backend, url, workload, concurrency=PAIRED_CONCURRENCY)
+                    _say(name, figures[name])
+                except Exception:  # one engine failing must not lose the other's figures
+                    figures[name] = {"error": traceback.format_exc(limit=3)}
+                    log(f"paired {name} failed:\n{figures[name]['error']}")
+            rounds.append({"order": order, "runs": figures})
+        summaries.append(paired_summary(names, rounds))
+    if summaries:
+        results["paired"] = summaries
 
 
 def paired_summary(names: list[str], rounds: list[dict]) -> dict:
@@ -307,8 +328,8 @@ def step_runtimes(results: dict, args) -> None:
         results["kiln_on_shortfin_vmfb"] = {"error": traceback.format_exc(limit=3)}
 
 
-STEPS = {"membw": step_membw, "offline": step_offline, "serving": step_serving, "paired": step_paired,
-         "prefix": step_prefix, "runtimes": step_runtimes}
+STEPS = {"membw": step_membw, "offline": step_offline, "precision": step_precision, "serving": step_serving,
+         "paired": step_paired, "prefix": step_prefix, "runtimes": step_runtimes}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,9 +344,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-guidellm", dest="guidellm", action="store_false",
                         help="skip the guidellm cross-check at concurrency 16")
     parser.add_argument("--offline-rounds", type=int, default=2, help="offline rounds, in alternating order (best kept)")
-    parser.add_argument("--paired", default="kiln f32,llama.cpp f32",
-                        help="the two servers the 'paired' step alternates at concurrency 16")
-    parser.add_argument("--paired-rounds", type=int, default=3, help="rounds of the 'paired' step")
+    parser.add_argument("--precisions", default=",".join(precision_bench.PRECISIONS),
+                        help=f"the 'precision' step's weights, f32 among them; any of {', '.join(precision_bench.PRECISIONS)}")
+    parser.add_argument("--precision-rounds", type=int, default=4, help="rounds of the 'precision' step")
+    parser.add_argument("--paired", default=DEFAULT_PAIRS,
+                        help="the 'paired' step's pairs of servers, alternated at concurrency 16: "
+                        "'A,B' for one pair, pairs separated by ';'")
+    parser.add_argument("--paired-rounds", type=int, default=3, help="rounds of the 'paired' step, per pair")
     parser.add_argument("--output", type=Path, help="results JSON (default: results/<date>.json)")
     args = parser.parse_args(argv)
     args.steps = [s for s in args.steps.split(",") if s]
@@ -333,10 +358,14 @@ def main(argv: list[str] | None = None) -> int:
     args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.rates = [float(r) for r in args.rates.split(",") if r]
-    args.paired = [s.strip() for s in args.paired.split(",") if s.strip()]
-    if len(args.paired) != 2:
-        parser.error("--paired takes two servers")
-    unknown = [s for s in args.steps if s not in STEPS] + [s for s in args.servers + args.paired if s not in SERVERS]
+    args.paired = [[s.strip() for s in pair.split(",") if s.strip()] for pair in args.paired.split(";") if pair.strip()]
+    if any(len(pair) != 2 for pair in args.paired):
+        parser.error("--paired takes pairs of two servers ('A,B', pairs separated by ';')")
+    args.precisions = [p for p in args.precisions.split(",") if p]
+    if "f32" not in args.precisions or not set(args.precisions) <= set(precision_bench.PRECISIONS):
+        parser.error(f"--precisions takes f32 and any of {', '.join(precision_bench.PRECISIONS)}")
+    paired_servers = [name for pair in args.paired for name in pair]
+    unknown = [s for s in args.steps if s not in STEPS] + [s for s in args.servers + paired_servers if s not in SERVERS]
     if unknown:
         parser.error(f"unknown step/server: {', '.join(unknown)}")
 

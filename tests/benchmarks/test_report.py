@@ -140,3 +140,55 @@ def test_decode_targets_add_the_median_of_per_round_ratios():
     targets = {name: measured for name, measured, _ in report.targets(results)}
     # best 60 vs 85; per round 0.65, 0.97, 1.00
     assert targets["decode bs1: kiln f32 ≥ 1.0x llama.cpp f32"] == "0.71x (best of each; median of per-round ratios 0.97x)"
+
+
+def precision_row(bs1_ms, of_floor, ratio=None, peer="q8_0", speedup=None):
+    row = {"decode_bs1_ms": bs1_ms, "decode_bs8_ms": 2 * bs1_ms, "prefill_512_ms": 700.0, "floor_step_ms": 5.0,
+           "of_floor": of_floor}
+    if ratio:
+        row["llama_cpp"] = {"type": peer, "ratio": dict(zip(("decode_bs1", "decode_bs8", "prefill_512_time"), ratio))}
+    if speedup:
+        row["speedup_vs_f32"] = dict(zip(("decode_bs1_ms", "decode_bs8_ms", "prefill_512_ms"), speedup))
+    return row
+
+
+PRECISION = {"membw": {"read_gb_s": 30.0}, "results": {
+    "f32": precision_row(24.0, 0.74, (0.85, 1.1, 1.11), peer="f32"),
+    "bf16w": precision_row(15.0, 0.56, (1.02, 1.38, 0.86), peer="bf16", speedup=(1.6, 1.4, 0.97)),
+    "q4_1": precision_row(11.0, 0.48, (0.67, 1.35, 0.47), peer="q4_1", speedup=(2.1, 1.3, 0.94)),
+}}
+
+
+def test_precision_targets_compare_each_precision_with_llama_cpp_at_the_same_one():
+    targets = {name: (measured, met) for name, measured, met in report.targets({"precision": PRECISION})}
+    assert targets["decode bs1: kiln f32 ≥ 1.0x llama.cpp F32"] == ("0.85x", False)
+    assert targets["decode bs1: kiln bf16 ≥ 1.0x llama.cpp BF16"] == ("1.02x", True)
+    assert targets["decode bs8: kiln Q4_1 ≥ 1.3x llama.cpp Q4_1"] == ("1.35x", True)
+    assert targets["prefill 512: kiln Q4_1 ≤ 0.8x llama.cpp Q4_1's time"] == ("0.47x", True)
+    assert targets["prefill 512: kiln bf16 ≤ 0.8x llama.cpp BF16's time"] == ("0.86x", False)
+    assert targets["decode bs1: kiln bf16 ≥ 1.6x kiln f32"] == ("1.60x", True)
+    assert targets["decode bs1: kiln f32 ≥ 0.85 of its bandwidth floor"] == ("0.74", False)
+    table = report.tables({"precision": PRECISION})
+    assert "| bf16 | 15.0 | 30.0 | 700 | 5.0 | 0.56 | 1.60x / 1.40x / 0.97x | 1.02x / 1.38x (BF16) | 0.86x |" in table
+    assert "| f32 | 24.0 | 48.0 | 700 | 5.0 | 0.74 | – | 0.85x / 1.10x (F32) | 1.11x |" in table
+    assert "Offline" not in table  # no offline step in this run: no empty table
+
+
+def test_each_paired_precision_gets_its_serving_targets():
+    def pair(first, second, ratios, ttfts):
+        rounds = [{"order": [first, second], "ratio": r,
+                   "runs": {first: serving(16, out=100 * r, ttft=a), second: serving(16, out=100, ttft=b)}}
+                  for r, (a, b) in zip(ratios, ttfts)]
+        return {"engines": [first, second], "concurrency": 16, "rounds": rounds,
+                "median_ratio": sorted(ratios)[len(ratios) // 2], "paired_rounds": len(ratios)}
+
+    results = {"paired": [pair("kiln f32", "llama.cpp f32", [1.0, 1.1, 1.05], [(1, 2), (1, 2), (1, 2)]),
+                          pair("kiln q8_0", "llama.cpp q8_0", [1.4, 1.5, 1.3], [(2300, 5000), (2400, 6000), (2200, 7000)])]}
+    targets = {name: (measured, met) for name, measured, met in report.targets(results)}
+    assert targets["serving c=16: kiln out tok/s ≥ 1.2x llama.cpp f32"] == ("1.05x (median of 3 paired rounds)", False)
+    assert targets["serving c=16: kiln q8_0 out tok/s ≥ 1.2x llama.cpp q8_0"] == ("1.40x (median of 3 paired rounds)", True)
+    assert targets["serving c=16: kiln q8_0 TTFT p50 below llama.cpp q8_0"] == ("2300 vs 6000 ms", True)
+    text = report.tables(results)
+    assert "kiln q8_0 and llama.cpp q8_0 in alternating rounds" in text and "kiln f32 and llama.cpp f32" in text
+    # A results file written when the step took one pair holds it as a dict.
+    assert report.paired_summaries({"paired": results["paired"][0]}) == [results["paired"][0]]

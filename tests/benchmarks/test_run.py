@@ -47,10 +47,32 @@ def test_paired_summary_ratios_each_round_and_quotes_the_median():
     assert summary["concurrency"] == 16
 
 
-def test_paired_needs_two_known_servers():
-    for value in ("kiln f32", "kiln f32,llama.cpp f32,shortfin f32", "kiln f32,vllm f32"):
+def test_paired_needs_pairs_of_known_servers():
+    for value in ("kiln f32", "kiln f32,llama.cpp f32,shortfin f32", "kiln f32,vllm f32",
+                  "kiln f32,llama.cpp f32;kiln q8_0"):
         with pytest.raises(SystemExit):
             main(["--steps", "paired", "--paired", value])
+
+
+def test_precisions_must_include_float32_and_be_known():
+    for value in ("q8_0,q4_1", "f32,fp8"):
+        with pytest.raises(SystemExit):
+            main(["--steps", "precision", "--precisions", value])
+
+
+def test_the_precision_step_measures_each_chosen_precision_beside_llama_cpp(tmp_path, monkeypatch):
+    built, measured = [], {}
+    monkeypatch.setattr(run, "heavy_lock", contextlib.nullcontext)
+    monkeypatch.setattr(run.report, "write_all", lambda *args: None)
+    monkeypatch.setattr(run.precision_bench, "build", lambda quantize: built.append(quantize) or Path(quantize))
+    monkeypatch.setattr(run.precision_bench, "measure", lambda artifacts, rounds, llama_cpp: measured.update(
+        artifacts=artifacts, rounds=rounds, llama_cpp=llama_cpp) or {"membw": {"read_gb_s": 30.0}, "results": {}})
+    output = tmp_path / "results.json"
+    assert main(["--steps", "precision", "--precisions", "f32,q4_1", "--precision-rounds", "2",
+                 "--engines", "kiln,llama.cpp", "--output", str(output)]) == 0
+    assert built == ["none", "q4_1"]
+    assert measured == {"artifacts": {"f32": Path("none"), "q4_1": Path("q4_1")}, "rounds": 2, "llama_cpp": True}
+    assert json.loads(output.read_text())["precision"] == {"membw": {"read_gb_s": 30.0}, "results": {}}
 
 
 def test_main_writes_the_tables_into_benchmarks_readme(tmp_path, monkeypatch):
