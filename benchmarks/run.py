@@ -236,34 +236,39 @@ def step_serving(results: dict, args) -> None:
 def step_paired(results: dict, args) -> None:
     """Each pair of servers at concurrency 16 in alternating rounds (A B, B A, ...), each round
     on the same fresh prompts, so a ratio pairs runs minutes apart rather than a sweep apart:
-    the shared machine's speed drifts more than the gap being measured."""
-    from benchmarks import loadgen
-
-    summaries = []
+    the shared machine's speed drifts more than the gap being measured. A pair measured again
+    replaces its earlier figures in the results file; the other pairs stay."""
+    measured = []
     for pair in args.paired:
         names = [name for name in pair if name.split()[0] in args.engines]
-        if len(names) != 2 or args.paired_rounds < 1:
-            continue
-        tokenizer = _tokenizer_for_loadgen()
-        rounds = []
-        for index in range(args.paired_rounds):
-            order = names if index % 2 == 0 else names[::-1]
-            # A seed per round: each server process is new, but the prompts must not repeat.
-            workload = loadgen.make_workload("random", tokenizer, num_requests=int(32 * args.scale), seed=300 + index)
-            figures = {}
-            for name in order:
-                log(f"paired c=16: {name} (round {index + 1} of {args.paired_rounds})")
-                try:
-                    with SERVERS[name]() as (backend, url):
-                        figures[name] = loadgen.run(backend, url, workload, concurrency=PAIRED_CONCURRENCY)
-                    _say(name, figures[name])
-                except Exception:  # one engine failing must not lose the other's figures
-                    figures[name] = {"error": traceback.format_exc(limit=3)}
-                    log(f"paired {name} failed:\n{figures[name]['error']}")
-            rounds.append({"order": order, "runs": figures})
-        summaries.append(paired_summary(names, rounds))
-    if summaries:
-        results["paired"] = summaries
+        if len(names) == 2 and args.paired_rounds >= 1:
+            measured.append(paired_summary(names, _paired_rounds(names, args)))
+    if measured:
+        kept = [p for p in report.paired_summaries(results) if p["engines"] not in [m["engines"] for m in measured]]
+        results["paired"] = kept + measured
+
+
+def _paired_rounds(names: list[str], args) -> list[dict]:
+    from benchmarks import loadgen
+
+    tokenizer = _tokenizer_for_loadgen()
+    rounds = []
+    for index in range(args.paired_rounds):
+        order = names if index % 2 == 0 else names[::-1]
+        # A seed per round: each server process is new, but the prompts must not repeat.
+        workload = loadgen.make_workload("random", tokenizer, num_requests=int(32 * args.scale), seed=300 + index)
+        figures = {}
+        for name in order:
+            log(f"paired c=16: {name} (round {index + 1} of {args.paired_rounds})")
+            try:
+                with SERVERS[name]() as (backend, url):
+                    figures[name] = loadgen.run(backend, url, workload, concurrency=PAIRED_CONCURRENCY)
+                _say(name, figures[name])
+            except Exception:  # one engine failing must not lose the other's figures
+                figures[name] = {"error": traceback.format_exc(limit=3)}
+                log(f"paired {name} failed:\n{figures[name]['error']}")
+        rounds.append({"order": order, "runs": figures})
+    return rounds
 
 
 def paired_summary(names: list[str], rounds: list[dict]) -> dict:

@@ -186,6 +186,7 @@ def test_each_paired_precision_gets_its_serving_targets():
                           pair("kiln q8_0", "llama.cpp q8_0", [1.4, 1.5, 1.3], [(2300, 5000), (2400, 6000), (2200, 7000)])]}
     targets = {name: (measured, met) for name, measured, met in report.targets(results)}
     assert targets["serving c=16: kiln out tok/s ≥ 1.2x llama.cpp f32"] == ("1.05x (median of 3 paired rounds)", False)
+    assert targets["serving c=16: kiln TTFT p50 below llama.cpp f32"] == ("1 vs 2 ms", True)  # no sweep: the pair's
     assert targets["serving c=16: kiln q8_0 out tok/s ≥ 1.2x llama.cpp q8_0"] == ("1.40x (median of 3 paired rounds)", True)
     assert targets["serving c=16: kiln q8_0 TTFT p50 below llama.cpp q8_0"] == ("2300 vs 6000 ms", True)
     text = report.tables(results)

@@ -86,3 +86,19 @@ def test_main_writes_the_tables_into_benchmarks_readme(tmp_path, monkeypatch):
     benchmarks_dir = Path(run.__file__).resolve().parent
     assert written == {"directory": benchmarks_dir / "results", "readme": benchmarks_dir / "README.md"}
     assert json.loads(output.read_text())["machine"]["cpus"]
+
+
+def test_a_pair_measured_again_replaces_its_figures_and_keeps_the_others(tmp_path, monkeypatch):
+    monkeypatch.setattr(run, "heavy_lock", contextlib.nullcontext)
+    monkeypatch.setattr(run.report, "write_all", lambda *args: None)
+    monkeypatch.setattr(run, "_paired_rounds", lambda names, args: [
+        {"order": names, "runs": {name: {"output_throughput": 100.0, "completed": 32} for name in names}}])
+    output = tmp_path / "results.json"
+    earlier = {"engines": ["kiln q8_0", "llama.cpp q8_0"], "rounds": [], "median_ratio": 1.4, "paired_rounds": 3}
+    stale = {"engines": ["kiln f32", "llama.cpp f32"], "rounds": [], "median_ratio": 0.9, "paired_rounds": 3}
+    output.write_text(json.dumps({"paired": [earlier, stale]}))
+    assert main(["--steps", "paired", "--paired", "kiln f32,llama.cpp f32", "--engines", "kiln,llama.cpp",
+                 "--output", str(output)]) == 0
+    paired = json.loads(output.read_text())["paired"]
+    assert [p["engines"] for p in paired] == [["kiln q8_0", "llama.cpp q8_0"], ["kiln f32", "llama.cpp f32"]]
+    assert paired[0]["median_ratio"] == 1.4 and paired[1]["median_ratio"] == 1.0
