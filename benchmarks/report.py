@@ -101,7 +101,7 @@ def paired_summaries(results: dict) -> list[dict]:
     return [paired] if isinstance(paired, dict) else paired
 
 
-# The precision step's rows and the llama.cpp type each is paired with, as the tables name them.
+# The precision step's rows, as the tables name them.
 PRECISION_LABELS = {"f32": "f32", "bf16w": "bf16", "int8": "int8", "q8_0": "Q8_0", "q4_1": "Q4_1"}
 
 
@@ -263,11 +263,11 @@ def tables(results: dict) -> str:
             parts.append(f"| {name} | {r['output_throughput']:.1f} | {_num(r.get('p50_ttft_ms'), '{:.0f}')} | "
                          f"{_num(r.get('p50_tpot_ms'))} |")
     if results.get("precision"):
-        bw = results["precision"]["membw"]["read_gb_s"]
+        read_gb_s = results["precision"]["membw"]["read_gb_s"]
         parts += ["", "Weight precisions (`--quantize`), Kiln's compiled calls in paired rounds: a decode step at "
                   "128 tokens of context, a 512-token prefill; beside llama.cpp (llama-batched-bench, same "
                   "weights) as medians of per-round ratios, decode in tokens/s over 128 generated tokens, "
-                  f"prefill as Kiln's time over llama.cpp's; floors at {bw:.1f} GB/s:", "",
+                  f"prefill as Kiln's time over llama.cpp's; floors at {read_gb_s:.1f} GB/s:", "",
                   precision_table(results["precision"])]
     for paired in paired_summaries(results):
         if paired.get("rounds"):
