@@ -24,9 +24,10 @@ from kiln.models.loader import load_checkpoint
 from kiln.runtime import LLM, SamplingParams
 from kiln.runtime.contract import Artifacts
 from kiln.runtime.program import Program
-from tests.conftest import run_kiln
+from tests.conftest import _export_and_compile, run_kiln
 from tests.eager_paged import EagerSequence
 from tests.paged_driver import PagedDriver, relative_error
+from tests.tiny_model import make_tiny_checkpoint, write_hf_directory
 
 pytestmark = pytest.mark.e2e
 
@@ -81,6 +82,31 @@ def test_every_function_matches_the_eager_quantized_model(quantized):
     sequence = EagerSequence(reference)
     sequence.run(prompt[:32])
     assert relative_error(last[0, 0], sequence.run_last(prompt[32:])) < tolerance
+
+
+def test_int8_on_smollm2s_shapes_decodes_at_batch_16_as_eager_torch_does(tmp_path):
+    """SmolLM2's shapes (576 wide, 9 query heads over 3 K/V heads, an MLP 1536 wide) with two
+    random layers and int8 weights: IREE's default stack limit refused this decode at batch 16
+    (what `kiln serve --quantize int8` builds), where the group sums of the output projection
+    want 36 KiB."""
+    checkpoint = make_tiny_checkpoint(seed=3, vocab_size=384, hidden_size=576, intermediate_size=1536,
+                                      num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3)
+    write_hf_directory(checkpoint, tmp_path / "hf")
+    artifacts = _export_and_compile(tmp_path / "hf", tmp_path / "int8", [
+        "--bs-prefill", "1", "--bs-decode", "16", "--max-seq-len", "256", "--device-block-count", "32",
+        "--quantize", "int8"])
+    reference = build_model(checkpoint, ExportOptions(quantize="int8").validate(256))
+    driver = PagedDriver(Program(Artifacts.in_directory(artifacts)))
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(4, 384, n).tolist() for n in (9, 20)]
+    seqs = driver.new_sequences(2, 32)
+    eager = [EagerSequence(reference) for _ in prompts]
+    for seq, prompt, sequence in zip(seqs, prompts, eager):
+        driver.prefill([seq], [prompt], batch=1)
+        sequence.run(prompt)
+    step = driver.decode(seqs, [5, 6], [len(p) for p in prompts], batch=16)  # 14 padding rows
+    for row, token in enumerate((5, 6)):
+        assert relative_error(step[row, 0], eager[row].run([token])[0]) < TOLERANCE["int8"]
 
 
 def test_weights_are_stored_narrow_and_the_matmul_takes_them_as_they_are(quantized):
