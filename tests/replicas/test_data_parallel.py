@@ -22,7 +22,10 @@ pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
 KEY = "dp-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-PAGES = "56"  # per replica: four prefixes (11 pages each) fit, eight do not
+# Per replica: six prefixes (10-12 pages each, the first page common to all) and their
+# follow-ups' own pages fit, so a placement skewed while replicas come up does not split one;
+# all eight, which round-robin sends to each replica, do not.
+PAGES = "72"
 TOPICS = ["rivers", "mountains", "forests", "deserts", "oceans", "glaciers", "islands", "volcanoes"]
 
 
@@ -67,7 +70,17 @@ def start_replicas(start_server, artifacts, routing: str) -> ServerProcess:
                           "--api-key", KEY, "--data-parallel", "2", "--replica-cpus", "1", "--routing", routing,
                           "--grpc-port", str(grpc_port))
     server.grpc = f"127.0.0.1:{grpc_port}"
+    _wait_for_replicas(server, 2)
     return server
+
+
+def _wait_for_replicas(server: ServerProcess, count: int) -> None:
+    """Until the front's router sees `count` replicas: /health answers once one replica does,
+    and prefixes placed before the second shows up would all land on the first."""
+    deadline = time.monotonic() + 120
+    while len(_replica_figures(server)) < count:
+        assert time.monotonic() < deadline, f"the front did not see {count} replicas:\n{server.log()}"
+        time.sleep(0.5)
 
 
 def test_replicas_that_cannot_load_the_model_end_the_server_with_the_reason(start_server, tiny_artifacts):
