@@ -51,9 +51,14 @@ def call_inputs(params: ModelParams, function: str, context: int, tokens: int) -
     kind, rows = parsed
     stride = params.block_seq_stride
     decode = kind is FunctionKind.DECODE
+    exported = params.decode_batch_sizes if decode else params.prefill_batch_sizes
+    if rows not in exported:
+        raise SystemExit(f"this export has no {function}: its {kind.value} batch sizes are {list(exported)}")
     length = context + 1 if decode else tokens
-    if length > params.max_seq_len or (not decode and tokens % stride):
-        raise SystemExit(f"{length} tokens do not fit: at most {params.max_seq_len}, prefill in multiples of {stride}")
+    if length > params.max_seq_len:
+        raise SystemExit(f"{length} tokens of context do not fit the export's {params.max_seq_len}")
+    if not decode and tokens % stride:
+        raise SystemExit(f"--tokens must be a multiple of the page size, {stride}")
     blocks = -(-length // stride)
     pages = np.random.default_rng(1).permutation(rows * blocks) + 1  # page 0 stays the padding page
     table = pages.reshape(rows, blocks).astype(np.int64)

@@ -40,7 +40,8 @@ def test_inputs_follow_the_abi_and_give_each_row_its_own_pages(tiny_artifacts):
     assert cache.shape == (13, params.page_elems)
     prefill = call_inputs(params, "prefill_bs1", context=0, tokens=32)
     assert prefill[0].shape == (1, 32) and prefill[-2].shape == (1, 2)
-    for function, tokens in (("denoise_bs1", 32), ("prefill_bs1", 30), ("prefill_bs1", 4096), ("nope", 32)):
+    for function, tokens in (("denoise_bs1", 32), ("prefill_bs1", 30), ("prefill_bs1", 4096), ("nope", 32),
+                             ("decode_bs2", 32)):  # the tiny export decodes at 1 and 4
         with pytest.raises(SystemExit):
             call_inputs(params, function, context=10, tokens=tokens)
 
