@@ -59,11 +59,11 @@ def call_inputs(params: ModelParams, function: str, context: int, tokens: int) -
         raise SystemExit(f"{length} tokens of context do not fit the export's {params.max_seq_len}")
     if not decode and tokens % stride:
         raise SystemExit(f"--tokens must be a multiple of the page size, {stride}")
+    if params.paged_kv_cache.kv_cache_dtype == "bfloat16":
+        raise SystemExit("a bfloat16 KV cache has no .npy form that iree-benchmark-module reads")
     blocks = -(-length // stride)
     pages = np.random.default_rng(1).permutation(rows * blocks) + 1  # page 0 stays the padding page
     table = pages.reshape(rows, blocks).astype(np.int64)
-    if params.paged_kv_cache.kv_cache_dtype == "bfloat16":
-        raise SystemExit("a bfloat16 KV cache has no .npy form that iree-benchmark-module reads")
     dtype = np.dtype(params.paged_kv_cache.kv_cache_dtype)
     cache = (np.random.default_rng(0).standard_normal((rows * blocks + 1, params.page_elems)) * 0.1).astype(dtype)
     if decode:
