@@ -32,21 +32,33 @@ from benchmarks.kiln_offline import build_in_child, median_ms
 from benchmarks.peers.common import heavy_lock, log
 
 RESULTS_DIR = Path(__file__).parent / "results"
-# Each precision's `--quantize` on the bundled Q4_1 file: q4_1 serves its own blocks.
-PRECISIONS = {"f32": "none", "bf16w": "bf16", "int8": "int8", "q8_0": "q8_0", "q4_1": "q4_1"}
+# Each precision's `--quantize` on the bundled Q4_1 file (q4_1 serves its own blocks), and whether
+# its one-token matmuls run Kiln's hand-written CPU kernels, as `kiln serve` builds it on a CPU
+# that runs them (export/cpu_kernels.py: float32, bf16 and the block types). The "-iree" rows are the same
+# weights with IREE's own kernels throughout, to measure what the hand-written ones change.
+PRECISIONS = {"f32": ("none", True), "bf16w": ("bf16", True), "int8": ("int8", False), "q8_0": ("q8_0", True),
+              "q4_1": ("q4_1", True), "f32-iree": ("none", False), "bf16w-iree": ("bf16", False),
+              "q8_0-iree": ("q8_0", False), "q4_1-iree": ("q4_1", False)}
+DEFAULT_PRECISIONS = ("f32", "bf16w", "int8", "q8_0", "q4_1")
 CONTEXT, PREFILL_TOKENS, PAGES, GENERATED = 128, 512, 160, 128
 DECODE_BATCHES = (1, 8)
 # The GGUF each precision is paired with in llama.cpp (`--llama-cpp`): its own bf16, and Q8_0
 # (int8 in 32-weight blocks with a float16 scale each) for Kiln's int8 and Q8_0. Kiln's Q8_0
 # blocks are those of llama.cpp's file: both quantize the same float32 weights by ggml's rule.
 # Q4_1 is the bundled file, as both engines run it.
-LLAMA_CPP_TYPES = {"f32": "f32", "bf16w": "bf16", "int8": "q8_0", "q8_0": "q8_0", "q4_1": "q4_1"}
+LLAMA_CPP_TYPES = {"f32": "f32", "bf16w": "bf16", "int8": "q8_0", "q8_0": "q8_0", "q4_1": "q4_1",
+                   "f32-iree": "f32", "bf16w-iree": "bf16", "q8_0-iree": "q8_0", "q4_1-iree": "q4_1"}
 
 
-def build(quantize: str) -> Path:
-    """SmolLM2 exported with these weights and compiled for the CPU (Kiln's keyed cache: built once)."""
+def build(quantize: str, cpu_kernels: bool = False) -> Path:
+    """SmolLM2 exported with these weights and compiled for the CPU (Kiln's keyed cache: built once);
+    `cpu_kernels` where this machine can build them."""
+    from kiln.export.cpu_kernels import support_problem
+
+    cpu_kernels = cpu_kernels and support_problem() is None
     return build_in_child(f"ExportOptions(prefill_batch_sizes=(1,), decode_batch_sizes={DECODE_BATCHES}, "
-                          f"max_seq_len=1024, device_block_count={PAGES}, quantize={quantize!r})")
+                          f"max_seq_len=1024, device_block_count={PAGES}, quantize={quantize!r}, "
+                          f"cpu_kernels={cpu_kernels})")
 
 
 def resident_mib() -> float:
@@ -167,8 +179,9 @@ def measure(artifacts: dict[str, Path], rounds: int, llama_cpp: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--precisions", default=",".join(PRECISIONS),
-                        help=f"which to measure, comma-separated, f32 among them (default: all of {', '.join(PRECISIONS)})")
+    parser.add_argument("--precisions", default=",".join(DEFAULT_PRECISIONS),
+                        help=f"which to measure, comma-separated, f32 among them: any of {', '.join(PRECISIONS)} "
+                        f"(default: {', '.join(DEFAULT_PRECISIONS)})")
     parser.add_argument("--llama-cpp", action="store_true",
                         help="also run llama.cpp's llama-batched-bench on the matching GGUF in every round (its peer "
                         "setup builds it on first use, about 20 minutes here)")
@@ -179,9 +192,8 @@ def main() -> None:
     with heavy_lock():
         artifacts = {}
         for name in chosen:
-            quantize = PRECISIONS[name]
             log(f"building SmolLM2 with {name} weights")
-            artifacts[name] = build(quantize)
+            artifacts[name] = build(*PRECISIONS[name])
         log("measuring")
         report = measure(artifacts, args.rounds, args.llama_cpp)
     print(f"memory read bandwidth {report['membw']['read_gb_s']:.1f} GB/s")

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.context, args.tokens, args.calls, args.top) < 1:
         parser.error("--context, --tokens, --calls and --top must be positive")
-    artifacts = args.artifacts or precision_bench.build(precision_bench.PRECISIONS[args.precision])
+    artifacts = args.artifacts or precision_bench.build(*precision_bench.PRECISIONS[args.precision])
     if not Artifacts.in_directory(artifacts).vmfb.is_file():
         parser.error(f"{artifacts} holds no compiled CPU module")
     result = profile(artifacts, args.function, args.context, args.tokens, args.calls)

@@ -151,7 +151,7 @@ def step_precision(results: dict, args) -> None:
     artifacts = {}
     for name in args.precisions:
         log(f"precision: building SmolLM2 with {name} weights")
-        artifacts[name] = precision_bench.build(precision_bench.PRECISIONS[name])
+        artifacts[name] = precision_bench.build(*precision_bench.PRECISIONS[name])
     results["precision"] = precision_bench.measure(artifacts, args.precision_rounds, "llama.cpp" in args.engines)
 
 
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-guidellm", dest="guidellm", action="store_false",
                         help="skip the guidellm cross-check at concurrency 16")
     parser.add_argument("--offline-rounds", type=int, default=2, help="offline rounds, in alternating order (best kept)")
-    parser.add_argument("--precisions", default=",".join(precision_bench.PRECISIONS),
+    parser.add_argument("--precisions", default=",".join(precision_bench.DEFAULT_PRECISIONS),
                         help=f"the 'precision' step's weights, f32 among them; any of {', '.join(precision_bench.PRECISIONS)}")
     parser.add_argument("--precision-rounds", type=int, default=4, help="rounds of the 'precision' step")
     parser.add_argument("--paired", default=DEFAULT_PAIRS,

@@ -67,11 +67,17 @@ def add_export_options(parser: argparse.ArgumentParser) -> None:
         "--no-prefill-last", action="store_true",
         help="skip the prefill_last_bs<N> companions (prefill returning only last logits, the serving fast path)",
     )
+    parser.add_argument(
+        "--cpu-kernels", action="store_true",
+        help="run one-token float32 weight matmuls through Kiln's hand-written AVX-512 kernel (built with the "
+             "system's C compiler); the export then compiles for this machine's CPU only",
+    )
 
 
 # Options whose flag names the ExportOptions field as it is (--block-seq-stride: block_seq_stride).
 _SAME_NAMED = ("block_seq_stride", "device_block_count", "max_seq_len", "dtype", "kv_cache_dtype", "quantize",
-               "prefill_final_logits", "top_k", "logits_normalization", "tensor_parallel", "pipeline_parallel")
+               "prefill_final_logits", "top_k", "logits_normalization", "tensor_parallel", "pipeline_parallel",
+               "cpu_kernels")
 
 
 def options_from_args(args) -> ExportOptions:

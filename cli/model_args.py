@@ -48,6 +48,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with --model or the default model: shard each layer over this many devices")
     group.add_argument("--pipeline-parallel", "--pipeline-parallel-size", type=positive_int, default=1,
                        help="with --model or the default model: split the layers over this many device stages")
+    group.add_argument("--cpu-kernels", choices=("auto", "on", "off"), default="auto",
+                       help="with --model or the default model: one-token float32 and bf16 weight matmuls through "
+                       "Kiln's hand-written AVX-512 kernels; auto (default): where this CPU and a C compiler allow")
     group.add_argument("--device", default="local-task", help="local-task (CPU), cuda, hip")
     group.add_argument("--device-ids", default=None,
                        help="device id(s), e.g. 0, or 0,1 for a tensor/pipeline-parallel export's devices")
@@ -87,7 +90,8 @@ def resolve_artifacts(args, log=lambda line: print(line, file=sys.stderr, flush=
         ) from None
     if not args.device.startswith("local"):
         raise ModelChoiceError("building on first use targets the CPU: pass --artifacts for GPU builds")
+    cpu_kernels = {"auto": None, "on": True, "off": False}[args.cpu_kernels]
     options = default_build_options(args.dtype, args.kv_cache_dtype, args.tensor_parallel, args.pipeline_parallel,
-                                    quantize=args.quantize)
+                                    quantize=args.quantize, cpu_kernels=cpu_kernels)
     directory = build(args.model, options, ["cpu"], log=log)
     return Artifacts.in_directory(directory, "cpu")

@@ -41,9 +41,24 @@ def export_code_digest() -> str:
 
     digest = hashlib.sha256()
     for package in (kiln.models, kiln.export):
-        for path in sorted(Path(package.__path__[0]).glob("*.py")):
+        for path in sorted(p for pattern in ("*.py", "*.c") for p in Path(package.__path__[0]).glob(pattern)):
             digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def host_cpu() -> str:
+    """The CPU that `--arch host` compiles for (and the CPU kernels are built for), as a digest
+    of its model name and feature flags: a cache directory shared by machines with other CPUs
+    must not hand one CPU's code to another, where it would run slowly or not at all."""
+    import platform
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    described = sorted({line for line in lines if line.split(":")[0].strip() in ("model name", "flags", "Features")})
+    identity = "\n".join([platform.machine(), platform.processor(), *described])
+    return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
 def artifacts_key(model_path: Path | None, options: ExportOptions, extra: dict | None = None) -> str:
@@ -61,14 +76,20 @@ def artifacts_key(model_path: Path | None, options: ExportOptions, extra: dict |
 
 
 def default_build_options(dtype: str = "float32", kv_cache_dtype: str = "", tensor_parallel: int = 1,
-                          pipeline_parallel: int = 1, quantize: str = "auto") -> ExportOptions:
+                          pipeline_parallel: int = 1, quantize: str = "auto", cpu_kernels: bool | None = None) -> ExportOptions:
     """What `kiln serve` / `kiln generate` build on first use (and what the tests build):
-    one definition, so both land on the same cache key and the model is built once."""
+    one definition, so both land on the same cache key and the model is built once.
+    `cpu_kernels` None: Kiln's hand-written CPU kernels where this machine builds them and the
+    model runs on one device."""
+    if cpu_kernels is None:
+        from .cpu_kernels import support_problem
+
+        cpu_kernels = tensor_parallel * pipeline_parallel == 1 and support_problem() is None
     # 1024 pages of 16 tokens: 16 sequences of 1024 tokens decode at once without
     # preemption (256 pages held ~10 of the serving benchmark's 384-token requests).
     return ExportOptions(decode_batch_sizes=(1, 2, 4, 8, 16), dtype=dtype, max_seq_len=4096, device_block_count=1024,
                          kv_cache_dtype=kv_cache_dtype, tensor_parallel=tensor_parallel,
-                         pipeline_parallel=pipeline_parallel, quantize=quantize)
+                         pipeline_parallel=pipeline_parallel, quantize=quantize, cpu_kernels=cpu_kernels)
 
 
 def build(
@@ -86,7 +107,8 @@ def build(
     arch = arch or {}
     reuse = output_dir is None  # only a keyed cache directory is known to match these inputs
     if output_dir is None:
-        key = artifacts_key(model_path, options, {"arch": arch, "flags": extra_flags or []})
+        host = host_cpu() if arch.get("cpu", "host") == "host" else ""
+        key = artifacts_key(model_path, options, {"arch": arch, "flags": extra_flags or [], "host_cpu": host})
         output_dir = artifacts_dir() / key
     output_dir = Path(output_dir)
     if reuse and (output_dir / CONFIG_FILE).exists():

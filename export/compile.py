@@ -24,6 +24,9 @@ from .placement import device_count
 DEFAULT_ARCH = {"cpu": "host", "cuda": "sm_80", "rocm": "gfx942"}
 DATA_TILING = "--iree-opt-data-tiling"
 CPU_STACK_LIMIT = "--iree-llvmcpu-stack-allocation-limit=65536"
+# The object file of Kiln's hand-written CPU kernels (export/cpu_kernels.py), written beside the
+# MLIR of an export that calls them and named in its executables.
+CPU_KERNELS_OBJECT = "kiln_cpu_kernels.o"
 
 
 def target_flags(target: str, arch: str | None = None, devices: int = 1) -> list[str]:
@@ -148,6 +151,20 @@ def compile_multi_device_fallbacks(compile_with, flags: list[str], input_ir: str
     compile_with(flags)
 
 
+def check_cpu_kernels_target(mlir_path: Path, target: str, arch: str | None) -> None:
+    """An export that calls the CPU kernels links an object built for the exporting machine's
+    CPU: it compiles for that CPU only, with its object beside the MLIR."""
+    if target != "cpu":
+        raise ExportError(f"{mlir_path} calls Kiln's CPU kernels (exported with --cpu-kernels), so it compiles "
+                          f"for the CPU only: export again without --cpu-kernels for {target}")
+    if (arch or DEFAULT_ARCH["cpu"]) != "host":
+        raise ExportError(f"{mlir_path} calls Kiln's CPU kernels, built for this machine's CPU: compile it with "
+                          f"--arch host, or export again without --cpu-kernels for {arch}")
+    if not (mlir_path.parent / CPU_KERNELS_OBJECT).is_file():
+        raise ExportError(f"{mlir_path} calls Kiln's CPU kernels but {CPU_KERNELS_OBJECT} is not beside it: "
+                          "export the model again")
+
+
 def compile_vmfb(
     mlir_path: Path,
     output: Path,
@@ -171,6 +188,9 @@ def compile_vmfb(
         input_ir = (scratch / "input.mlir").read_text()
         devices = device_count(input_ir)
         flags = target_flags(target, arch, devices)
+        if CPU_KERNELS_OBJECT in input_ir:
+            check_cpu_kernels_target(mlir_path, target, arch)
+            flags.append(f"--iree-hal-executable-object-search-path={mlir_path.parent.resolve()}")
         text, marked = mark_cache_imports_consumed(input_ir)
         if marked == 0:
             log("warning: no written-back argument found; the KV cache will be copied on every call")

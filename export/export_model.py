@@ -21,7 +21,7 @@ from iree.turbine import aot
 
 from kiln.models.checkpoint import Checkpoint
 from kiln.models.llama import PagedLlama
-from kiln.models.quantize import quantize_model
+from kiln.models.quantize import FLOAT32, quantize_model
 from kiln.models.sharded_llama import ShardedPagedLlama
 from kiln.runtime.config import KilnParams, ModelParams, PagedKVCacheParams, save_model_config, sidecar_path
 from kiln.runtime.contract import (
@@ -29,6 +29,7 @@ from kiln.runtime.contract import (
 )
 from kiln.runtime.errors import ExportError
 
+from .cpu_kernels import OBJECT_FILE, build_object, row_matmul_kernel, support_problem
 from .exporter import TORCH_DTYPES, trace_module
 from .options import ExportOptions
 from .page_gather import gather_pages
@@ -106,7 +107,10 @@ def build_model(checkpoint: Checkpoint, options: ExportOptions) -> PagedLlama | 
         raise ExportError(f"the checkpoint's tensors do not fit its config: {error}") from None
     if options.layout.device_count > 1:
         model = ShardedPagedLlama(model, options.layout)
-    return quantize_model(model, options.quantize, weight_matmul_kernel, checkpoint.blocks).eval()
+    if not options.cpu_kernels:
+        return quantize_model(model, options.quantize, weight_matmul_kernel, checkpoint.blocks).eval()
+    mode = FLOAT32 if options.quantize == "none" and options.dtype == "float32" else options.quantize
+    return quantize_model(model, mode, row_matmul_kernel, checkpoint.blocks).eval()
 
 
 def export_model(checkpoint: Checkpoint, options: ExportOptions, output_dir: Path, log=print) -> ExportedModel:
@@ -118,6 +122,8 @@ def export_model(checkpoint: Checkpoint, options: ExportOptions, output_dir: Pat
                                      c.intermediate_size)
     if problem:
         raise ExportError(problem)
+    if options.cpu_kernels and (problem := support_problem()):
+        raise ExportError(f"--cpu-kernels: {problem}")
     output_dir = Path(output_dir)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
@@ -142,6 +148,9 @@ def export_model(checkpoint: Checkpoint, options: ExportOptions, output_dir: Pat
         output.save_mlir(scratch / MLIR_FILE)
         log(f"wrote {MLIR_FILE} in {time.monotonic() - started:.1f}s")
 
+        if options.cpu_kernels:
+            build_object(scratch)
+            log(f"compiled the CPU kernels into {OBJECT_FILE}")
         (scratch / TOKENIZER_FILE).write_text(checkpoint.tokenizer_json)
         (scratch / TOKENIZER_CONFIG_FILE).write_text(json.dumps(checkpoint.tokenizer_config, indent=2) + "\n")
         save_model_config(scratch / CONFIG_FILE, model_params(checkpoint, options), kiln_params(checkpoint, options))
@@ -149,7 +158,9 @@ def export_model(checkpoint: Checkpoint, options: ExportOptions, output_dir: Pat
         output_dir.mkdir(parents=True, exist_ok=True)
         # A stale model.json must not vouch for half-replaced files.
         (output_dir / CONFIG_FILE).unlink(missing_ok=True)
-        for name in (*ARTIFACT_NAMES, sidecar_path(Path(CONFIG_FILE)).name, CONFIG_FILE):
+        (output_dir / OBJECT_FILE).unlink(missing_ok=True)
+        kernels = (OBJECT_FILE,) if options.cpu_kernels else ()
+        for name in (*ARTIFACT_NAMES, *kernels, sidecar_path(Path(CONFIG_FILE)).name, CONFIG_FILE):
             os.replace(scratch / name, output_dir / name)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -48,6 +48,9 @@ class ExportOptions:
     # Spread the model over tensor_parallel x pipeline_parallel devices (runtime/device_layout.py).
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
+    # One-token float32 weight matmuls through Kiln's hand-written CPU kernel (export/cpu_kernels.py):
+    # the export then compiles for this machine's CPU only.
+    cpu_kernels: bool = False
 
     @property
     def layout(self) -> DeviceLayout:
@@ -93,6 +96,8 @@ class ExportOptions:
             )
         if self.top_k is not None and self.top_k < 1:
             raise ExportError(f"top_k must be a positive integer, got {self.top_k}")
+        if self.cpu_kernels and self.layout.device_count > 1:
+            raise ExportError("cpu_kernels apply to a one-device export, not tensor or pipeline parallel ones")
         max_seq_len = self.max_seq_len
         if not max_seq_len:
             cap = min(context_length or 8192, 8192)

@@ -33,7 +33,10 @@ float16 scale exactly): IREE 3.13 widened a float16 table on every call rather t
 ms of a decode step for the tied embedding's.
 
 The narrow kernel is a function the model is given (`matmul`): eager torch runs
-`eager_weight_matmul`; the export passes an IREE custom op with the same arithmetic.
+`eager_weight_matmul`; the export passes an IREE custom op with the same arithmetic. A kernel
+may also offer `matmul.one_row_blocks(q [1, K], xs [G], w [N, K], ws [G, N], xsum [G], wo [G, N])`,
+a block weight times one quantized row of input whole (both scales, the offset term and the sum
+over the blocks in one call): a one-row product in blocks of 32 then goes there instead.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ Q8_0_BLOCK = BLOCK  # input channels per Q8_0 block (ggml's QK8_0)
 # Block modes -> the GGUF type a weight not read from a file's blocks is quantized to. "gguf"
 # serves every block type the file holds as it is (a k-quant file's mix of Q4_K and Q6_K).
 BLOCK_MODES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "gguf": "Q8_0"}
+# Float32 weights kept as they are, held here only so that their one-token matmuls go through
+# the model's `matmul` too (an export's hand-written CPU kernel); not a storage choice of its own.
+FLOAT32 = "f32"
 
 
 def eager_weight_matmul(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None,
@@ -125,12 +131,17 @@ def weight_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
         return F.linear(x.float(), widened(weight, scale, offset))
     n, k = weight.shape
     rows = x.reshape(-1, k)
-    if weight.dtype == torch.bfloat16:
-        out = matmul(rows.to(torch.bfloat16), weight)
+    if weight.dtype in (torch.bfloat16, torch.float32):
+        out = matmul(rows.to(weight.dtype), weight)
     else:
         blocks = scale.dim() == 2
         group = k // scale.shape[0] if blocks else activation_group(k)
         q, row_scale = quantize_rows(rows.float().view(-1, k // group, group))  # [M, G, g], [M, G, 1]
+        whole = getattr(matmul, "one_row_blocks", None)
+        if whole is not None and blocks and group == BLOCK and rows.shape[0] == 1:
+            x_sum = None if offset is None else q.float().sum(dim=-1).view(-1)
+            out = whole(q.view(1, k), row_scale.view(-1), weight, scale, x_sum, offset)
+            return out.view(*x.shape[:-1], n)
         q, w = q.transpose(0, 1), weight.view(n, k // group, group).transpose(0, 1)  # [G, M, g], [G, N, g]
         if blocks and offset is not None:
             # Each block's input sum times its offset, from the quantized input as llama.cpp's
@@ -162,7 +173,7 @@ def _parameter(t: torch.Tensor) -> nn.Parameter:
 
 class QuantizedWeight(nn.Module):
     """A [N, K] float weight stored as `mode` says; `scale` [N] for int8, [K / block, N] for the
-    block modes, None for bf16; `offset` [K / block, N] for the types with a block minimum, else
+    block modes, None for bf16 and FLOAT32; `offset` [K / block, N] for the types with a block minimum, else
     None. `stored`, a block mode's weight as a GGUF holds it (any block type), is taken as it
     is. A weight whose K is no multiple of 32 is stored as int8 in a block mode (llama.cpp falls
     back to a wider type for such tensors too)."""
@@ -170,12 +181,14 @@ class QuantizedWeight(nn.Module):
     def __init__(self, weight: torch.Tensor, mode: str, matmul=eager_weight_matmul,
                  stored: BlockWeight | None = None):
         super().__init__()
-        if mode not in QUANTIZATIONS[1:]:
+        if mode not in (*QUANTIZATIONS[1:], FLOAT32):
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS[1:])}, got {mode!r}")
         weight = weight.detach().float()
         blocks = mode in BLOCK_MODES and weight.shape[-1] % BLOCK == 0
         self.offset = None
-        if mode == "bf16":
+        if mode == FLOAT32:
+            values, self.scale = weight, None
+        elif mode == "bf16":
             values, self.scale = weight.to(torch.bfloat16), None
         elif blocks and stored is None and BLOCK_MODES[mode] == "Q8_0":
             values, block_scale = quantize_q8_0(weight)

@@ -92,6 +92,7 @@ def test_the_wheel_holds_only_the_package(wheel_path):
     assert not outside, outside
     assert not any("__pycache__" in name or name.endswith(".pyc") for name in names)
     assert {name.split("/")[1] for name in names if name.startswith("kiln/")} == set(FOLDERS)
+    assert "kiln/export/cpu_kernels.c" in names  # the export compiles it where it runs
 
 
 def test_the_wheel_holds_and_imports_every_module(wheel_env):

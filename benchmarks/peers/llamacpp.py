@@ -83,9 +83,12 @@ def python() -> Path:
 
 
 def _build_binaries() -> None:
-    """CMake-build llama-server and llama-batched-bench, once per version and flags."""
+    """CMake-build llama-server and llama-batched-bench, once per version, flags and CPU (GGML_NATIVE
+    compiles for the building CPU, as Kiln's `--arch host` does)."""
+    from kiln.export.build import host_cpu
+
     src, build = llama_cpp_source(), build_dir()
-    stamp = json.dumps({"version": VERSION, "cmake": SERVER_CMAKE_ARGS, "targets": TARGETS})
+    stamp = json.dumps({"version": VERSION, "cmake": SERVER_CMAKE_ARGS, "targets": TARGETS, "host_cpu": host_cpu()})
     marker = build / ".kiln-built"
     if marker.exists() and marker.read_text() == stamp and all(binary(t).exists() for t in TARGETS):
         return
@@ -94,7 +97,9 @@ def _build_binaries() -> None:
         start = time.monotonic()
         subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja",
                         *SERVER_CMAKE_ARGS], check=True, stdout=sys.stderr)
-        subprocess.run(["cmake", "--build", str(build), "-j2", "--target", *TARGETS],
+        # -march=native is the same flag on any CPU, so ninja would keep objects built for another.
+        clean = ["--clean-first"] if marker.exists() else []
+        subprocess.run(["cmake", "--build", str(build), "-j2", *clean, "--target", *TARGETS],
                        check=True, stdout=sys.stderr)
     log(f"built in {time.monotonic() - start:.0f} s")
     marker.write_text(stamp)

@@ -1,0 +1,342 @@
+"""Hand-written CPU kernels for the weight matmuls of a one-token step, linked into the VMFB.
+
+At batch 1 a decode step's time is the time to read its weights. `cpu_kernels.c` holds one-row
+matmuls for float32, bfloat16 and block-quantized int8 weights (Q8_0, Q4_0, Q4_1: both scales,
+the offset term and the sum over the blocks in one loop) that read four weight rows side by
+side with a prefetch ahead of them. The export compiles them with the system's C compiler into
+an object file beside the MLIR, and each one-row weight matmul of those kinds becomes a
+dispatch of one: a `stream.executable` whose function calls the object's symbol, which IREE
+links into its embedded ELF (IREE's "custom dispatch" mechanism). Every other matmul (prefill,
+decode at several rows, int8 with row scales, the block types of 16) keeps IREE's code.
+What they measured against IREE's kernels: benchmarks/NOTES.md, "Hand-written one-row matmuls".
+
+The object is built for the machine that exports (x86-64 with AVX-512; the bfloat16 and block
+kernels also need AVX512-BF16 and AVX512-VNNI, and those weights keep IREE's kernels on a CPU
+without them), so an export with these kernels compiles for the CPU only, for the host's
+architecture.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from iree.compiler import ir
+from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection
+
+from kiln.models.quantize import BLOCK
+from kiln.runtime.errors import ExportError
+
+from .compile import CPU_KERNELS_OBJECT as OBJECT_FILE
+from .custom_ops import KILN_LIBRARY, emit_function
+from .weight_matmul import weight_matmul_kernel
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# Output rows a workgroup computes: enough work per workgroup to hide its dispatch, and enough
+# workgroups for both task workers on the narrowest projection (576 rows: 9 workgroups).
+ROWS_PER_WORKGROUP = 64
+# Freestanding code for IREE's embedded ELF loader: position independent, no stack protector
+# (it would call into libc), no unwind tables.
+C_FLAGS = ("-O3", "-mavx512f", "-mfma", "-ffreestanding", "-fPIC", "-fno-stack-protector",
+           "-fno-asynchronous-unwind-tables", "-fvisibility=hidden")
+
+
+def c_compiler() -> str | None:
+    """The C compiler the kernels are built with: $CC, else cc, else gcc, if installed."""
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _host_cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def bf16_supported() -> bool:
+    """Whether this CPU runs the bfloat16 kernel (AVX512-BF16); bf16 weights use IREE's where not."""
+    return "avx512_bf16" in _host_cpu_flags()
+
+
+def blocks_supported() -> bool:
+    """Whether this CPU runs the block kernel (AVX512-VNNI's int8 dot products); the block types
+    use IREE's kernels where not."""
+    return {"avx512_vnni", "avx512bw"} <= _host_cpu_flags()
+
+
+def support_problem() -> str | None:
+    """Why this machine cannot build the kernels for itself, or None when it can."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the CPU kernels are written for x86-64, this machine is {platform.machine()}"
+    if not {"avx512f", "fma"} <= _host_cpu_flags():
+        return "the CPU kernels need AVX-512, which this CPU lacks"
+    if c_compiler() is None:
+        return "the CPU kernels are compiled with a C compiler, and none was found (set CC, or install gcc)"
+    return None
+
+
+def build_object(directory: Path) -> Path:
+    """Compile the kernels into `directory`/OBJECT_FILE; an ExportError says why not."""
+    problem = support_problem()
+    if problem:
+        raise ExportError(problem)
+    output = Path(directory) / OBJECT_FILE
+    with tempfile.TemporaryDirectory(prefix="kiln-kernels-") as scratch:
+        partial = Path(scratch) / OBJECT_FILE
+        done = subprocess.run([c_compiler(), *C_FLAGS, "-c", str(SOURCE), "-o", str(partial)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise ExportError(f"compiling the CPU kernels failed: {(done.stderr or done.stdout).strip()[:500]}")
+        shutil.move(partial, output)
+    return output
+
+
+_ELEMENTS = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def _row_matmul_text(name: str, k: int, n: int, element: str = "f32") -> str:
+    """A module holding the kernel's executable and `name`, which dispatches it on x [1, K] and
+    w [N, K] (both `element`, "f32" or "bf16") for y [1, N] in float32."""
+    symbol = f"kiln_row_matmul_{element}"
+    memref = f"memref<?x{element}>"
+    out = "memref<?xf32>"
+    return f"""module {{
+stream.executable private @{name}_executable attributes {{
+  hal.executable.objects = #hal.executable.objects<{{
+    #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64"> = [#hal.executable.object<{{path = "{OBJECT_FILE}"}}>]
+  }}>
+}} {{
+  stream.executable.export public @row_matmul workgroups(%n: index) -> (index, index, index) {{
+    %groups = affine.apply affine_map<()[s0] -> (s0 ceildiv {ROWS_PER_WORKGROUP})>()[%n]
+    %c1 = arith.constant 1 : index
+    stream.return %groups, %c1, %c1 : index, index, index
+  }}
+  builtin.module {{
+    func.func private @{symbol}({memref}, {memref}, {out}, index, index, index, index)
+        attributes {{hal.import.static}}
+    func.func @row_matmul(%x_binding: !stream.binding, %w_binding: !stream.binding,
+                          %y_binding: !stream.binding, %n: index, %k: index) {{
+      %c0 = arith.constant 0 : index
+      %rows = arith.constant {ROWS_PER_WORKGROUP} : index
+      %group = stream.dispatch.workgroup.id[0] : index
+      %row0 = arith.muli %group, %rows : index
+      %nk = arith.muli %n, %k : index
+      %x = stream.binding.subspan %x_binding[%c0] : !stream.binding -> {memref}{{%k}}
+      %w = stream.binding.subspan %w_binding[%c0] : !stream.binding -> {memref}{{%nk}}
+      %y = stream.binding.subspan %y_binding[%c0] : !stream.binding -> {out}{{%n}}
+      func.call @{symbol}(%x, %w, %y, %n, %k, %row0, %rows)
+          : ({memref}, {memref}, {out}, index, index, index, index) -> ()
+      return
+    }}
+  }}
+}}
+util.func private @{name}(%x: tensor<1x{k}x{element}>, %w: tensor<{n}x{k}x{element}>) -> tensor<1x{n}xf32> {{
+  %n = arith.constant {n} : index
+  %k = arith.constant {k} : index
+  %x_flat = tensor.collapse_shape %x [[0, 1]] : tensor<1x{k}x{element}> into tensor<{k}x{element}>
+  %w_flat = tensor.collapse_shape %w [[0, 1]] : tensor<{n}x{k}x{element}> into tensor<{n * k}x{element}>
+  %y_flat = flow.dispatch @{name}_executable::@row_matmul[%n](%x_flat, %w_flat, %n, %k)
+      : (tensor<{k}x{element}>, tensor<{n * k}x{element}>, index, index) -> tensor<{n}xf32>
+  %y = tensor.expand_shape %y_flat [[0, 1]] output_shape [1, {n}] : tensor<{n}xf32> into tensor<1x{n}xf32>
+  util.return %y : tensor<1x{n}xf32>
+}}
+}}"""
+
+
+@CustomOp.register(library=KILN_LIBRARY)
+class row_matmul(CustomOp):
+    """x [1, K] @ w [N, K]^T -> float32 [1, N], x and w both float32 or both bfloat16, through
+    the hand-written kernel."""
+
+    signature = "row_matmul(Tensor x, Tensor w) -> Tensor"
+
+    def select(self, ksel: KernelSelection):
+        x, w = ksel.arg_tensor(0), ksel.arg_tensor(1)
+        torch._check(x.t.dtype == w.t.dtype and x.t.dtype in _ELEMENTS and x.t.dim() == w.t.dim() == 2,
+                     lambda: f"row_matmul: x [1, K] and w [N, K] of one type, float32 or bfloat16, "
+                             f"got {x.t.dtype} and {w.t.dtype}")
+        torch._check(x.t.shape[0] == 1 and x.t.shape[1] == w.t.shape[1], lambda: "row_matmul: x [1, K], w [N, K]")
+        x.specialize_dims(0, 1)
+        w.specialize_dims(0, 1)
+        ksel.return_new_tensor([1, w.t.shape[0]], torch.float32).specialize_dims(0, 1)
+
+    def eager_execute(self, x, w):
+        return x.float() @ w.float().T
+
+    def generate(self, ksel: KernelSelection, kb: KernelBuilder):
+        w_type = ir.RankedTensorType(kb.arg_bindings[1].type)
+        n, k = w_type.shape
+        element = "bf16" if isinstance(w_type.element_type, ir.BF16Type) else "f32"
+        name = f"kiln_row_matmul_{element}_{n}x{k}"
+        emit_function(kb, name, _row_matmul_text(name, k, n, element))
+
+
+def _row_blocks_text(name: str, k: int, n: int, has_offset: bool) -> str:
+    """A module holding the block kernel's executable and `name`, which dispatches it on the
+    quantized input (q [1, K] int8, its block scales xs [G] and, with offsets, its block sums
+    xsum [G]) and a block weight (w [N, K] int8, scales ws [G, N], offsets wo [G, N]) for
+    y [1, N] in float32. Without offsets, xs and ws stand in for the unread xsum and wo. The
+    executable reads every size from its operands, so those of all shapes are one and the same
+    (IREE merges them; executables of one name and different bodies would clash)."""
+    groups = k // BLOCK
+    i8, f32 = "memref<?xi8>", "memref<?xf32>"
+    operands = [("q", f"tensor<1x{k}xi8>"), ("xs", f"tensor<{groups}xf32>"), ("w", f"tensor<{n}x{k}xi8>"),
+                ("ws", f"tensor<{groups}x{n}xf32>")]
+    if has_offset:
+        operands += [("xsum", f"tensor<{groups}xf32>"), ("wo", f"tensor<{groups}x{n}xf32>")]
+    arguments = ", ".join(f"%{a}: {t}" for a, t in operands)
+    xsum, wo = ("%xsum", "%wo_flat") if has_offset else ("%xs", "%ws_flat")
+    wo_flat = (f"%wo_flat = tensor.collapse_shape %wo [[0, 1]] : tensor<{groups}x{n}xf32> into tensor<{groups * n}xf32>"
+               if has_offset else "")
+    return f"""module {{
+stream.executable private @{name}_executable attributes {{
+  hal.executable.objects = #hal.executable.objects<{{
+    #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64"> = [#hal.executable.object<{{path = "{OBJECT_FILE}"}}>]
+  }}>
+}} {{
+  stream.executable.export public @row_blocks workgroups(%n: index) -> (index, index, index) {{
+    %groups = affine.apply affine_map<()[s0] -> (s0 ceildiv {ROWS_PER_WORKGROUP})>()[%n]
+    %c1 = arith.constant 1 : index
+    stream.return %groups, %c1, %c1 : index, index, index
+  }}
+  builtin.module {{
+    func.func private @kiln_row_matmul_q8({i8}, {f32}, {f32}, {i8}, {f32}, {f32}, {f32}, index, index, index,
+                                          index, index) attributes {{hal.import.static}}
+    func.func @row_blocks(%q_binding: !stream.binding, %xs_binding: !stream.binding, %xsum_binding: !stream.binding,
+                          %w_binding: !stream.binding, %ws_binding: !stream.binding, %wo_binding: !stream.binding,
+                          %y_binding: !stream.binding, %n: index, %k: index, %has_offset: index) {{
+      %c0 = arith.constant 0 : index
+      %rows = arith.constant {ROWS_PER_WORKGROUP} : index
+      %block = arith.constant {BLOCK} : index
+      %groups = arith.divui %k, %block : index
+      %group = stream.dispatch.workgroup.id[0] : index
+      %row0 = arith.muli %group, %rows : index
+      %nk = arith.muli %n, %k : index
+      %gn = arith.muli %groups, %n : index
+      %q = stream.binding.subspan %q_binding[%c0] : !stream.binding -> {i8}{{%k}}
+      %xs = stream.binding.subspan %xs_binding[%c0] : !stream.binding -> {f32}{{%groups}}
+      %xsum = stream.binding.subspan %xsum_binding[%c0] : !stream.binding -> {f32}{{%groups}}
+      %w = stream.binding.subspan %w_binding[%c0] : !stream.binding -> {i8}{{%nk}}
+      %ws = stream.binding.subspan %ws_binding[%c0] : !stream.binding -> {f32}{{%gn}}
+      %wo = stream.binding.subspan %wo_binding[%c0] : !stream.binding -> {f32}{{%gn}}
+      %y = stream.binding.subspan %y_binding[%c0] : !stream.binding -> {f32}{{%n}}
+      func.call @kiln_row_matmul_q8(%q, %xs, %xsum, %w, %ws, %wo, %y, %n, %k, %has_offset, %row0, %rows)
+          : ({i8}, {f32}, {f32}, {i8}, {f32}, {f32}, {f32}, index, index, index, index, index) -> ()
+      return
+    }}
+  }}
+}}
+util.func private @{name}({arguments}) -> tensor<1x{n}xf32> {{
+  %n = arith.constant {n} : index
+  %k = arith.constant {k} : index
+  %has_offset = arith.constant {int(has_offset)} : index
+  %q_flat = tensor.collapse_shape %q [[0, 1]] : tensor<1x{k}xi8> into tensor<{k}xi8>
+  %w_flat = tensor.collapse_shape %w [[0, 1]] : tensor<{n}x{k}xi8> into tensor<{n * k}xi8>
+  %ws_flat = tensor.collapse_shape %ws [[0, 1]] : tensor<{groups}x{n}xf32> into tensor<{groups * n}xf32>
+  {wo_flat}
+  %y_flat = flow.dispatch @{name}_executable::@row_blocks[%n](%q_flat, %xs, {xsum}, %w_flat, %ws_flat, {wo}, %n, %k,
+                                                              %has_offset)
+      : (tensor<{k}xi8>, tensor<{groups}xf32>, tensor<{groups}xf32>, tensor<{n * k}xi8>, tensor<{groups * n}xf32>,
+         tensor<{groups * n}xf32>, index, index, index) -> tensor<{n}xf32>
+  %y = tensor.expand_shape %y_flat [[0, 1]] output_shape [1, {n}] : tensor<{n}xf32> into tensor<1x{n}xf32>
+  util.return %y : tensor<1x{n}xf32>
+}}
+}}"""
+
+
+def _check_row_blocks(ksel: KernelSelection, count: int):
+    args = [ksel.arg_tensor(i) for i in range(count)]
+    q, xs, w, ws = args[:4]
+    torch._check(q.t.dtype == w.t.dtype == torch.int8 and q.t.dim() == w.t.dim() == 2 and q.t.shape[0] == 1,
+                 lambda: "row_blocks: int8 q [1, K] and w [N, K]")
+    torch._check(q.t.shape[1] == w.t.shape[1] and q.t.shape[1] % BLOCK == 0,
+                 lambda: f"row_blocks: K a multiple of {BLOCK}, the same in q and w")
+    floats = [arg for index, arg in enumerate(args) if index not in (0, 2)]
+    torch._check(all(a.t.dtype == torch.float32 for a in floats), lambda: "row_blocks: float32 scales and sums")
+    for arg in args:
+        arg.specialize_dims(*range(arg.t.dim()))
+    ksel.return_new_tensor([1, w.t.shape[0]], torch.float32).specialize_dims(0, 1)
+
+
+def eager_row_blocks(q, xs, w, ws, xsum=None, wo=None):
+    """The block kernel's arithmetic in torch: block g's int8 sum times ws[g], plus xsum[g] times
+    wo[g], times xs[g], summed over the blocks."""
+    groups = q.shape[1] // BLOCK
+    sums = (q.view(groups, 1, BLOCK).double() @ w.view(-1, groups, BLOCK).permute(1, 2, 0).double()).float()
+    blocks = sums[:, 0, :] * ws  # [G, N]
+    if wo is not None:
+        blocks = blocks + xsum.view(-1, 1) * wo
+    return (blocks * xs.view(-1, 1)).sum(dim=0, keepdim=True)
+
+
+@CustomOp.register(library=KILN_LIBRARY)
+class row_blocks(CustomOp):
+    """A block-quantized weight (w [N, K] int8, ws [G, N]) times one int8 row in blocks of 32
+    (q [1, K], xs [G]): float32 [1, N], through the hand-written kernel."""
+
+    signature = "row_blocks(Tensor q, Tensor xs, Tensor w, Tensor ws) -> Tensor"
+
+    def select(self, ksel: KernelSelection):
+        _check_row_blocks(ksel, 4)
+
+    def eager_execute(self, q, xs, w, ws):
+        return eager_row_blocks(q, xs, w, ws)
+
+    def generate(self, ksel: KernelSelection, kb: KernelBuilder):
+        n, k = ir.RankedTensorType(kb.arg_bindings[2].type).shape
+        name = f"kiln_row_blocks_{n}x{k}"
+        emit_function(kb, name, _row_blocks_text(name, k, n, has_offset=False))
+
+
+@CustomOp.register(library=KILN_LIBRARY)
+class row_blocks_offset(CustomOp):
+    """row_blocks plus each block's input sum (xsum [G]) times its offset (wo [G, N])."""
+
+    signature = "row_blocks_offset(Tensor q, Tensor xs, Tensor w, Tensor ws, Tensor xsum, Tensor wo) -> Tensor"
+
+    def select(self, ksel: KernelSelection):
+        _check_row_blocks(ksel, 6)
+
+    def eager_execute(self, q, xs, w, ws, xsum, wo):
+        return eager_row_blocks(q, xs, w, ws, xsum, wo)
+
+    def generate(self, ksel: KernelSelection, kb: KernelBuilder):
+        n, k = ir.RankedTensorType(kb.arg_bindings[2].type).shape
+        name = f"kiln_row_blocks_offset_{n}x{k}"
+        emit_function(kb, name, _row_blocks_text(name, k, n, has_offset=True))
+
+
+def one_row_blocks(q, xs, w, ws, xsum=None, wo=None):
+    """`one_row_blocks` of the matmul contract (models/quantize.py) as the block kernel."""
+    return row_blocks(q, xs, w, ws) if wo is None else row_blocks_offset(q, xs, w, ws, xsum, wo)
+
+
+def row_matmul_kernel(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None,
+                      x_sum: torch.Tensor | None = None, w_offset: torch.Tensor | None = None) -> torch.Tensor:
+    """`weight_matmul_kernel`'s contract, plus float32 weights: a single row of float32, or of
+    bfloat16 where the CPU has AVX512-BF16, runs the hand-written kernel; several rows run IREE's
+    kernels (they hold their own there, where the compute adds to the weight stream), and so
+    do int8 weights."""
+    one_row = x.dim() == 2 and x.shape[0] == 1
+    if w.dtype == torch.bfloat16 and one_row and bf16_supported():
+        return row_matmul(x, w)
+    if w.dtype != torch.float32:
+        return weight_matmul_kernel(x, w, w_scale, x_sum, w_offset)
+    return row_matmul(x, w) if one_row else x @ w.transpose(-1, -2)
+
+
+# A block weight times one row of input, whole (models/quantize.py's `one_row_blocks`), where
+# this CPU runs the block kernel.
+if blocks_supported():
+    row_matmul_kernel.one_row_blocks = one_row_blocks

@@ -1,0 +1,251 @@
+"""Kiln's hand-written CPU kernel for one-row float32 weight matmuls (`--cpu-kernels`): the
+kernel alone against numpy at shapes with row and channel tails, the tiny model exported with
+it against the eager float32 model call for call, and the exports it cannot serve refused.
+
+Tolerance: float32 sums in another order than torch's, 1e-4 relative as the other float32 paths.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kiln.export import cpu_kernels
+from kiln.export.compile import CPU_KERNELS_OBJECT, compile_vmfb, run_iree_compile, target_flags
+from kiln.export.export_model import build_model
+from kiln.export.options import ExportOptions
+from kiln.models.loader import load_checkpoint
+from kiln.runtime.contract import Artifacts
+from kiln.runtime.errors import ExportError
+from kiln.runtime.program import Program
+from tests.conftest import TINY_EXPORT_ARGS, _export_and_compile, run_kiln
+from tests.eager_paged import EagerSequence
+from tests.paged_driver import PagedDriver, relative_error
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(cpu_kernels.support_problem() is not None, reason=str(cpu_kernels.support_problem())),
+]
+
+
+@pytest.fixture(scope="module")
+def kernel_artifacts(tiny_hf_dir, tmp_path_factory):
+    return _export_and_compile(tiny_hf_dir, tmp_path_factory.mktemp("tiny-cpu-kernels"),
+                               [*TINY_EXPORT_ARGS, "--cpu-kernels"])
+
+
+@pytest.fixture(scope="module", params=["none", "bf16", "q8_0", "q4_1"])
+def kernel_export(request, tiny_hf_dir, tiny_checkpoint, tmp_path_factory):
+    """(weights, artifacts, eager model): the tiny model with float32 or bf16 weights, or its Q8_0
+    or Q4_1 GGUF as it comes, exported with the kernels, and the eager model of the same weights."""
+    weights = request.param
+    if weights == "none":
+        artifacts = request.getfixturevalue("kernel_artifacts")
+    elif weights == "bf16":
+        if not cpu_kernels.bf16_supported():
+            pytest.skip("this CPU has no AVX512-BF16")
+        artifacts = _export_and_compile(tiny_hf_dir, tmp_path_factory.mktemp("tiny-cpu-kernels-bf16"),
+                                        [*TINY_EXPORT_ARGS, "--quantize", "bf16", "--cpu-kernels"])
+    else:
+        gguf = request.getfixturevalue(f"tiny_{weights}_gguf")
+        artifacts = _export_and_compile(gguf, tmp_path_factory.mktemp(f"tiny-cpu-kernels-{weights}"),
+                                        [*TINY_EXPORT_ARGS, "--cpu-kernels"])
+        checkpoint = load_checkpoint(gguf)
+        return weights, artifacts, build_model(checkpoint, ExportOptions().validate(256, checkpoint.stored_quantization))
+    return weights, artifacts, build_model(tiny_checkpoint, ExportOptions(quantize=weights).validate(256))
+
+
+def _compile_kernel_alone(directory, k: int, n: int, element: str):
+    """The kernel's dispatch for x [1, K] and w [N, K], behind a public function, compiled as
+    an export's would be."""
+    import iree.runtime as rt
+
+    name = f"kiln_row_matmul_{element}_{n}x{k}"
+    body = cpu_kernels._row_matmul_text(name, k, n, element).strip()
+    assert body.startswith("module {") and body.endswith("}")
+    source = directory / "kernel.mlir"
+    # main takes float32 and rounds it to `element` (a no-op for f32), as the model's matmul
+    # input is rounded, so numpy hands it plain float32 arrays.
+    x_type, w_type, y_type = f"tensor<1x{k}x{element}>", f"tensor<{n}x{k}x{element}>", f"tensor<1x{n}xf32>"
+    x32, w32 = f"tensor<1x{k}xf32>", f"tensor<{n}x{k}xf32>"
+    rounding = "" if element == "f32" else f"""
+  %xr = arith.truncf %x : {x32} to {x_type}
+  %wr = arith.truncf %w : {w32} to {w_type}"""
+    x_in, w_in = ("%x", "%w") if element == "f32" else ("%xr", "%wr")
+    source.write_text(f"""{body[:-1]}
+util.func public @main(%x: {x32}, %w: {w32}) -> {y_type} {{{rounding}
+  %y = util.call @{name}({x_in}, {w_in}) : ({x_type}, {w_type}) -> {y_type}
+  util.return %y : {y_type}
+}}
+}}""")
+    cpu_kernels.build_object(directory)
+    run_iree_compile([str(source), *target_flags("cpu"), f"--iree-hal-executable-object-search-path={directory}",
+                      "-o", str(directory / "kernel.vmfb")], "compiling the kernel")
+    config = rt.Config("local-task")
+    context = rt.SystemContext(config=config)
+    context.add_vm_module(rt.VmModule.copy_buffer(context.instance, (directory / "kernel.vmfb").read_bytes()))
+    return context.modules.module.main
+
+
+def _bf16_values(values: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 (to nearest, ties to even), as float32."""
+    bits = values.astype(np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint32)
+    return (rounded << 16).view(np.float32)
+
+
+@pytest.mark.parametrize("element", ["f32", "bf16"])
+@pytest.mark.parametrize("k,n", [(50, 37), (64, 130), (576, 1536)])
+def test_the_kernel_matches_numpy_with_row_and_channel_tails(tmp_path, k, n, element):
+    """K not a multiple of the vector width (a masked tail), N not a multiple of 4 (rows one at a
+    time) nor of a workgroup's 64 rows (a short last workgroup)."""
+    if element == "bf16" and not cpu_kernels.bf16_supported():
+        pytest.skip("this CPU has no AVX512-BF16")
+    main = _compile_kernel_alone(tmp_path, k, n, element)
+    rng = np.random.default_rng(k * n)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    got = np.asarray(main(x, w))
+    if element == "bf16":
+        x, w = _bf16_values(x), _bf16_values(w)
+    # bf16 x bf16 products are exact in float32, so both forms hold float32's tolerance.
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    assert got.shape == (1, n)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
+def _compile_blocks_alone(directory, k: int, n: int, has_offset: bool):
+    import iree.runtime as rt
+
+    name = f"kiln_row_blocks_{n}x{k}"
+    body = cpu_kernels._row_blocks_text(name, k, n, has_offset).strip()
+    groups = k // 32
+    types = [f"tensor<1x{k}xi8>", f"tensor<{groups}xf32>", f"tensor<{n}x{k}xi8>", f"tensor<{groups}x{n}xf32>"]
+    if has_offset:
+        types += [f"tensor<{groups}xf32>", f"tensor<{groups}x{n}xf32>"]
+    names = ["%q", "%xs", "%w", "%ws", "%xsum", "%wo"][: len(types)]
+    arguments = ", ".join(f"{a}: {t}" for a, t in zip(names, types))
+    (directory / "blocks.mlir").write_text(f"""{body[:-1]}
+util.func public @main({arguments}) -> tensor<1x{n}xf32> {{
+  %y = util.call @{name}({", ".join(names)}) : ({", ".join(types)}) -> tensor<1x{n}xf32>
+  util.return %y : tensor<1x{n}xf32>
+}}
+}}""")
+    cpu_kernels.build_object(directory)
+    run_iree_compile([str(directory / "blocks.mlir"), *target_flags("cpu"),
+                      f"--iree-hal-executable-object-search-path={directory}", "-o", str(directory / "blocks.vmfb")],
+                     "compiling the block kernel")
+    context = rt.SystemContext(config=rt.Config("local-task"))
+    context.add_vm_module(rt.VmModule.copy_buffer(context.instance, (directory / "blocks.vmfb").read_bytes()))
+    return context.modules.module.main
+
+
+@pytest.mark.parametrize("has_offset", [False, True])
+@pytest.mark.parametrize("k,n", [(64, 37), (96, 130), (1536, 576)])
+def test_the_block_kernel_matches_its_eager_form(tmp_path, k, n, has_offset):
+    """An odd number of blocks (96: three, the last one alone), rows not a multiple of 4 or of
+    64, int8 values over their whole range and negative inputs (the sign moved onto w)."""
+    import torch
+
+    main = _compile_blocks_alone(tmp_path, k, n, has_offset)
+    rng = np.random.default_rng(k + n + has_offset)
+    groups = k // 32
+    q = rng.integers(-127, 128, (1, k)).astype(np.int8)
+    w = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    xs = rng.uniform(0.001, 0.02, groups).astype(np.float32)
+    ws = rng.uniform(0.001, 0.02, (groups, n)).astype(np.float32)
+    args = [q, xs, w, ws]
+    if has_offset:
+        args += [q.reshape(groups, 32).sum(axis=1).astype(np.float32), rng.uniform(-0.1, 0.1, (groups, n)).astype(np.float32)]
+    got = np.asarray(main(*args))
+    want = cpu_kernels.eager_row_blocks(*(torch.from_numpy(a) for a in args)).numpy()
+    assert got.shape == (1, n)
+    assert relative_error(got, want) < 1e-5
+
+
+def test_every_function_matches_the_eager_model(kernel_export):
+    """Prefill at batch 4 (IREE's matmuls), then decode at batch 1 (the kernels) and at batch 4
+    (IREE's again), and prefill_last's output head over one position (the kernels), against the
+    eager model with the same weights, whose one-row products take the per-block path. bf16
+    holds the bf16 tolerance of the quantized exports' tests (tests/export/test_quantized_export.py
+    says why); the block types are integer sums up to float32 scaling."""
+    weights, artifacts, reference = kernel_export
+    tolerance = 4e-3 if weights == "bf16" else 1e-4
+    program = Program(Artifacts.in_directory(artifacts))
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(4, 384, n).tolist() for n in (9, 21)]
+    driver = PagedDriver(program)
+    seqs = driver.new_sequences(2, 64)
+    logits = driver.prefill(seqs, prompts, batch=4)
+    eager = [EagerSequence(reference) for _ in prompts]
+    tokens = []
+    for row, prompt in enumerate(prompts):
+        want = eager[row].run(prompt)
+        assert relative_error(logits[row, : len(prompt)], want) < tolerance
+        tokens.append(int(want[-1].argmax()))
+    lengths = [len(p) for p in prompts]
+    for step in range(4):
+        batch = 4 if step % 2 else 1
+        rows = list(range(len(prompts))) if batch == 4 else [0]
+        got = driver.decode([seqs[r] for r in rows], [tokens[r] for r in rows], [lengths[r] for r in rows], batch=batch)
+        for i, row in enumerate(rows):
+            want = eager[row].run([tokens[row]])[0]
+            assert relative_error(got[i, 0], want) < tolerance
+            tokens[row], lengths[row] = int(want.argmax()), lengths[row] + 1
+    [continued] = driver.new_sequences(1, 48)
+    prompt = rng.integers(4, 384, 17).tolist()
+    last = driver.prefill([continued], [prompt], batch=1, function="prefill_last")
+    assert relative_error(last[0, -1], EagerSequence(reference).run_last(prompt)) < tolerance
+
+
+def test_one_row_matmuls_dispatch_the_kernel_and_the_object_ships_beside_the_mlir(kernel_artifacts):
+    mlir = (kernel_artifacts / "model.mlir").read_text()
+    assert (kernel_artifacts / CPU_KERNELS_OBJECT).is_file()
+    # The tiny model's shapes: fused q/k/v, o, gate/up fused, down, and the tied output head.
+    dispatched = {line.split("@kiln_row_matmul_f32_")[1].split("_executable")[0]
+                  for line in mlir.splitlines() if "flow.dispatch @kiln_row_matmul_f32_" in line}
+    assert len(dispatched) >= 4, dispatched
+    assert b"row_matmul" in (kernel_artifacts / "model_cpu.vmfb").read_bytes()  # the executables' export
+
+
+def test_an_export_with_the_kernels_compiles_for_this_cpu_only(kernel_artifacts, tmp_path):
+    with pytest.raises(ExportError, match="compiles for the CPU only"):
+        compile_vmfb(kernel_artifacts / "model.mlir", tmp_path / "model_cuda.vmfb", "cuda")
+    with pytest.raises(ExportError, match="--arch host"):
+        compile_vmfb(kernel_artifacts / "model.mlir", tmp_path / "model_cpu.vmfb", "cpu", arch="znver3")
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "model.mlir").write_text((kernel_artifacts / "model.mlir").read_text())
+    with pytest.raises(ExportError, match=f"{CPU_KERNELS_OBJECT} is not beside it"):
+        compile_vmfb(alone / "model.mlir", alone / "model_cpu.vmfb", "cpu")
+    failed = run_kiln("compile-vmfb", str(kernel_artifacts / "model.mlir"), "--target", "rocm",
+                      "-o", str(tmp_path / "model_rocm.vmfb"), check=False)
+    assert failed.returncode != 0 and "export again without --cpu-kernels" in failed.stderr
+    assert "Traceback" not in failed.stderr
+
+
+def test_the_kernels_are_refused_where_they_cannot_be_built(monkeypatch, tiny_hf_dir, tmp_path):
+    with pytest.raises(ExportError, match="one-device export"):
+        ExportOptions(cpu_kernels=True, tensor_parallel=2).validate(256)
+    monkeypatch.setenv("CC", "")
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    assert "C compiler" in cpu_kernels.support_problem()
+    with pytest.raises(ExportError, match="C compiler"):
+        cpu_kernels.build_object(tmp_path)
+
+
+def test_builds_for_the_host_are_cached_per_cpu(monkeypatch, tmp_path):
+    """A cache shared by machines with other CPUs (`--arch host` code, and the kernels' object,
+    are built for the building CPU) gives each CPU a build of its own."""
+    from kiln.export import build as build_module
+
+    built = []
+    monkeypatch.setattr(build_module, "artifacts_dir", lambda: tmp_path)
+    monkeypatch.setattr(build_module, "load_checkpoint", lambda path: None)
+    monkeypatch.setattr(build_module, "export_model", lambda checkpoint, options, directory, log: built.append(directory))
+    monkeypatch.setattr(build_module, "compile_vmfb", lambda *args, **kwargs: None)
+    options = ExportOptions(cpu_kernels=True)
+    for cpu in ("one", "one", "another"):
+        monkeypatch.setattr(build_module, "host_cpu", lambda cpu=cpu: cpu)
+        build_module.build(None, options, ["cpu"], log=lambda line: None)
+    assert built[0] == built[1] != built[2]
