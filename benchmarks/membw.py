@@ -65,6 +65,19 @@ def measure(threads: int | None = None, repeats: int = 5) -> dict:
     }
 
 
+def cpu_model() -> str:
+    """This machine's CPU as /proc/cpuinfo names it, with its family and model numbers (a
+    virtual machine may name only the vendor): results from different CPUs are not comparable."""
+    fields = {}
+    try:
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return ""
+    return f"{fields.get('model name', '')} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
+
+
 def decode_floor(weight_bytes: int, bandwidth_gb_s: float) -> dict:
     """The fastest a batch-1 decode step can be if it only has to stream the weights."""
     step_ms = weight_bytes / (bandwidth_gb_s * 1e9) * 1e3

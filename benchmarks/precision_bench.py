@@ -213,8 +213,8 @@ def main() -> None:
                   f"{peer['ratio']['prefill_512_time']:>16.2f}x")
     RESULTS_DIR.mkdir(exist_ok=True)
     path = RESULTS_DIR / f"precision-{datetime.date.today()}.json"
-    path.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                                **report}, indent=2) + "\n")
+    path.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "cpu": membw.cpu_model(),
+                                "cpus": os.cpu_count(), **report}, indent=2) + "\n")
     print(f"wrote {path}")
 
 

@@ -69,8 +69,8 @@ def add_export_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--cpu-kernels", action="store_true",
-        help="run one-token float32 weight matmuls through Kiln's hand-written AVX-512 kernel (built with the "
-             "system's C compiler); the export then compiles for this machine's CPU only",
+        help="run one-token weight matmuls (float32, bf16, Q8_0/Q4_0/Q4_1 blocks) through Kiln's hand-written "
+             "AVX-512 kernels (built with the system's C compiler); the export then compiles for this machine's CPU only",
     )
 
 

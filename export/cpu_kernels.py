@@ -105,6 +105,21 @@ def build_object(directory: Path) -> Path:
 _ELEMENTS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
+def _executable_header(name: str, export: str) -> str:
+    """The opening of `name`'s executable: the kernels' object for x86-64's embedded ELF, and the
+    export `export` run over ceil(N / ROWS_PER_WORKGROUP) workgroups; its builtin.module follows."""
+    return f"""stream.executable private @{name}_executable attributes {{
+  hal.executable.objects = #hal.executable.objects<{{
+    #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64"> = [#hal.executable.object<{{path = "{OBJECT_FILE}"}}>]
+  }}>
+}} {{
+  stream.executable.export public @{export} workgroups(%n: index) -> (index, index, index) {{
+    %groups = affine.apply affine_map<()[s0] -> (s0 ceildiv {ROWS_PER_WORKGROUP})>()[%n]
+    %c1 = arith.constant 1 : index
+    stream.return %groups, %c1, %c1 : index, index, index
+  }}"""
+
+
 def _row_matmul_text(name: str, k: int, n: int, element: str = "f32") -> str:
     """A module holding the kernel's executable and `name`, which dispatches it on x [1, K] and
     w [N, K] (both `element`, "f32" or "bf16") for y [1, N] in float32."""
@@ -112,16 +127,7 @@ def _row_matmul_text(name: str, k: int, n: int, element: str = "f32") -> str:
     memref = f"memref<?x{element}>"
     out = "memref<?xf32>"
     return f"""module {{
-stream.executable private @{name}_executable attributes {{
-  hal.executable.objects = #hal.executable.objects<{{
-    #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64"> = [#hal.executable.object<{{path = "{OBJECT_FILE}"}}>]
-  }}>
-}} {{
-  stream.executable.export public @row_matmul workgroups(%n: index) -> (index, index, index) {{
-    %groups = affine.apply affine_map<()[s0] -> (s0 ceildiv {ROWS_PER_WORKGROUP})>()[%n]
-    %c1 = arith.constant 1 : index
-    stream.return %groups, %c1, %c1 : index, index, index
-  }}
+{_executable_header(name, "row_matmul")}
   builtin.module {{
     func.func private @{symbol}({memref}, {memref}, {out}, index, index, index, index)
         attributes {{hal.import.static}}
@@ -200,16 +206,7 @@ def _row_blocks_text(name: str, k: int, n: int, has_offset: bool) -> str:
     wo_flat = (f"%wo_flat = tensor.collapse_shape %wo [[0, 1]] : tensor<{groups}x{n}xf32> into tensor<{groups * n}xf32>"
                if has_offset else "")
     return f"""module {{
-stream.executable private @{name}_executable attributes {{
-  hal.executable.objects = #hal.executable.objects<{{
-    #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64"> = [#hal.executable.object<{{path = "{OBJECT_FILE}"}}>]
-  }}>
-}} {{
-  stream.executable.export public @row_blocks workgroups(%n: index) -> (index, index, index) {{
-    %groups = affine.apply affine_map<()[s0] -> (s0 ceildiv {ROWS_PER_WORKGROUP})>()[%n]
-    %c1 = arith.constant 1 : index
-    stream.return %groups, %c1, %c1 : index, index, index
-  }}
+{_executable_header(name, "row_blocks")}
   builtin.module {{
     func.func private @kiln_row_matmul_q8({i8}, {f32}, {f32}, {i8}, {f32}, {f32}, {f32}, index, index, index,
                                           index, index) attributes {{hal.import.static}}

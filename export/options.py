@@ -48,8 +48,8 @@ class ExportOptions:
     # Spread the model over tensor_parallel x pipeline_parallel devices (runtime/device_layout.py).
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
-    # One-token float32 weight matmuls through Kiln's hand-written CPU kernel (export/cpu_kernels.py):
-    # the export then compiles for this machine's CPU only.
+    # One-token weight matmuls (float32, bf16, the block types of 32) through Kiln's hand-written
+    # CPU kernels (export/cpu_kernels.py): the export then compiles for this machine's CPU only.
     cpu_kernels: bool = False
 
     @property
