@@ -18,6 +18,7 @@ architecture.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import shutil
@@ -76,14 +77,33 @@ def blocks_supported() -> bool:
 
 
 def support_problem() -> str | None:
-    """Why this machine cannot build the kernels for itself, or None when it can."""
+    """Why this machine cannot build the kernels for itself, or None when it can (its C compiler
+    is tried once per process: one too old for the AVX-512 intrinsics counts as none)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"the CPU kernels are written for x86-64, this machine is {platform.machine()}"
     if not {"avx512f", "fma"} <= _host_cpu_flags():
         return "the CPU kernels need AVX-512, which this CPU lacks"
-    if c_compiler() is None:
+    compiler = c_compiler()
+    if compiler is None:
         return "the CPU kernels are compiled with a C compiler, and none was found (set CC, or install gcc)"
+    return _compile_problem(compiler)
+
+
+@functools.lru_cache(maxsize=4)
+def _compile_problem(compiler: str) -> str | None:
+    with tempfile.TemporaryDirectory(prefix="kiln-kernels-") as scratch:
+        try:
+            _compile(compiler, Path(scratch) / OBJECT_FILE)
+        except ExportError as error:
+            return str(error)
     return None
+
+
+def _compile(compiler: str, output: Path) -> None:
+    done = subprocess.run([compiler, *C_FLAGS, "-c", str(SOURCE), "-o", str(output)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ExportError(f"compiling the CPU kernels with {compiler} failed: "
+                          f"{(done.stderr or done.stdout).strip()[:500]}")
 
 
 def build_object(directory: Path) -> Path:
@@ -94,10 +114,7 @@ def build_object(directory: Path) -> Path:
     output = Path(directory) / OBJECT_FILE
     with tempfile.TemporaryDirectory(prefix="kiln-kernels-") as scratch:
         partial = Path(scratch) / OBJECT_FILE
-        done = subprocess.run([c_compiler(), *C_FLAGS, "-c", str(SOURCE), "-o", str(partial)],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            raise ExportError(f"compiling the CPU kernels failed: {(done.stderr or done.stdout).strip()[:500]}")
+        _compile(c_compiler(), partial)
         shutil.move(partial, output)
     return output
 

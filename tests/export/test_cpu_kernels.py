@@ -227,6 +227,12 @@ def test_an_export_with_the_kernels_compiles_for_this_cpu_only(kernel_artifacts,
 def test_the_kernels_are_refused_where_they_cannot_be_built(monkeypatch, tiny_hf_dir, tmp_path):
     with pytest.raises(ExportError, match="one-device export"):
         ExportOptions(cpu_kernels=True, tensor_parallel=2).validate(256)
+    # A compiler that cannot build them (too old for the intrinsics) is no compiler for them:
+    # `--cpu-kernels auto` then builds without them.
+    monkeypatch.setattr(cpu_kernels, "C_FLAGS", ("-mno-such-flag",))
+    cpu_kernels._compile_problem.cache_clear()
+    assert "failed" in cpu_kernels.support_problem()
+    cpu_kernels._compile_problem.cache_clear()
     monkeypatch.setenv("CC", "")
     monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
     assert "C compiler" in cpu_kernels.support_problem()
