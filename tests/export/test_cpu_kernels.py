@@ -1,8 +1,11 @@
-"""Kiln's hand-written CPU kernel for one-row float32 weight matmuls (`--cpu-kernels`): the
-kernel alone against numpy at shapes with row and channel tails, the tiny model exported with
-it against the eager float32 model call for call, and the exports it cannot serve refused.
+"""Kiln's hand-written CPU kernels for one-row weight matmuls (`--cpu-kernels`): each kernel
+alone (float32, bf16, the block types with and without offsets) against numpy or its eager form
+at shapes with row and channel tails; the tiny model exported with them (float32, bf16, its Q8_0
+and Q4_1 GGUFs) against the eager model of the same weights call for call; the exports they
+cannot serve refused; builds for the host cached per CPU.
 
-Tolerance: float32 sums in another order than torch's, 1e-4 relative as the other float32 paths.
+Tolerance: float32 sums in another order than torch's, 1e-4 relative as the other float32 paths
+(bf16 and the integer blocks: see each test).
 """
 
 from __future__ import annotations
