@@ -38,14 +38,15 @@ def label(dtype: str, quantize: str = "none") -> str:
     return QUANTIZED_LABEL.get(quantize) or SHORT_DTYPE[dtype]
 
 
-def build_in_child(options: str) -> Path:
+def build_in_child(options: str, targets: tuple[str, ...] = ("cpu",), arch: dict[str, str] | None = None) -> Path:
     """The bundled model exported with `options` (Python source building ExportOptions) and
-    compiled for the CPU, into Kiln's keyed cache (built once), in a child process."""
+    compiled for `targets` (with `arch` per target, else the defaults), into Kiln's keyed
+    cache (built once), in a child process."""
     code = (
         "import sys\n"
         "from kiln.export.build import build, default_build_options\n"
         "from kiln.export.options import ExportOptions\n"
-        f"out = build(None, {options}, ['cpu'], log=lambda m: print(m, file=sys.stderr))\n"
+        f"out = build(None, {options}, {list(targets)!r}, arch={arch!r}, log=lambda m: print(m, file=sys.stderr))\n"
         "print(out)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.PIPE, text=True)
@@ -75,11 +76,13 @@ def _random_prompts(count: int, length: int, vocab: int, rng) -> list[list[int]]
     return [rng.integers(100, min(vocab, 32000), length).tolist() for _ in range(count)]
 
 
-def measure(artifacts: Path, repeats: int = 3) -> dict:
+def measure(artifacts: Path, repeats: int = 3, device: str = "local-task") -> dict:
+    """The figures of the artifacts' module for `device` (local-task: model_cpu.vmfb)."""
     from kiln.runtime import LLM, SamplingParams
+    from kiln.runtime.contract import device_target
 
     rng = np.random.default_rng(0)
-    with LLM(artifacts, prefix_sharing="none") as llm:
+    with LLM(artifacts, device_target(device), device=device, prefix_sharing="none") as llm:
         vocab = llm.service.vocab_size
 
         def timed(prompts, max_tokens) -> float:

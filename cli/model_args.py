@@ -67,7 +67,7 @@ def device_name(args) -> str:
 
 def resolve_artifacts(args, log=lambda line: print(line, file=sys.stderr, flush=True)):
     """Artifacts to load, building them first when a model (or nothing) was named."""
-    from kiln.runtime.contract import Artifacts
+    from kiln.runtime.contract import Artifacts, device_target
 
     explicit = [args.vmfb, args.params, args.config]
     if any(explicit):
@@ -79,8 +79,7 @@ def resolve_artifacts(args, log=lambda line: print(line, file=sys.stderr, flush=
     if args.artifacts:
         if args.model:
             raise ModelChoiceError("give either --artifacts or --model, not both")
-        target = "cpu" if args.device.startswith("local") else ("cuda" if args.device.startswith("cuda") else "rocm")
-        artifacts = Artifacts.in_directory(args.artifacts, target)
+        artifacts = Artifacts.in_directory(args.artifacts, device_target(args.device))
         return artifacts.with_tokenizer(args.tokenizer) if args.tokenizer else artifacts
     try:
         from kiln.export.build import build, default_build_options

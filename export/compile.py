@@ -22,6 +22,14 @@ from kiln.runtime.errors import ExportError
 from .placement import device_count
 
 DEFAULT_ARCH = {"cpu": "host", "cuda": "sm_80", "rocm": "gfx942"}
+# What to do when IREE has no code generation for a GPU arch. IREE 3.13 knows sm_60-sm_89 and
+# sm_120 but not sm_90 (H100, H200) or sm_100; its CUDA modules hold PTX, which the driver
+# compiles for the GPU at hand when the module loads, so sm_80's runs on those (checked on an H100).
+UNKNOWN_ARCH_HINT = {
+    "cuda": "compile for sm_80 (the default) or sm_89: their PTX runs on newer NVIDIA GPUs, the H100 and "
+            "H200 included (the driver compiles it for the GPU when the module loads)",
+    "rocm": "name a gfx target IREE knows, such as gfx942 (MI300) or gfx90a (MI200)",
+}
 DATA_TILING = "--iree-opt-data-tiling"
 CPU_STACK_LIMIT = "--iree-llvmcpu-stack-allocation-limit=65536"
 # The object file of Kiln's hand-written CPU kernels (export/cpu_kernels.py), written beside the
@@ -202,10 +210,17 @@ def compile_vmfb(
         partial = output.with_name(output.name + ".partial")
 
         def compile_with(flags: list[str]) -> None:
-            run_iree_compile(
-                [str(scratch / "consumed.mlir"), "--compile-from=input", *flags, *(extra_flags or []), "-o", str(partial)],
-                f"compiling for {target}",
-            )
+            try:
+                run_iree_compile(
+                    [str(scratch / "consumed.mlir"), "--compile-from=input", *flags, *(extra_flags or []),
+                     "-o", str(partial)],
+                    f"compiling for {target}",
+                )
+            except ExportError as error:
+                if target in UNKNOWN_ARCH_HINT and "missing GPU target" in str(error):
+                    raise ExportError(f"this IREE compiler has no {target} code generation for --arch "
+                                      f"{arch or DEFAULT_ARCH[target]}: {UNKNOWN_ARCH_HINT[target]}") from None
+                raise
 
         try:
             try:

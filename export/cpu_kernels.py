@@ -55,14 +55,16 @@ def c_compiler() -> str | None:
     return None
 
 
-def _host_cpu_flags() -> set[str]:
+@functools.lru_cache(maxsize=1)
+def _host_cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags, read once: every one-row matmul traced asks."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def bf16_supported() -> bool:

@@ -32,6 +32,14 @@ def vmfb_file(target: str) -> str:
     return f"model_{target}.vmfb"
 
 
+def device_target(device: str) -> str:
+    """The compile target whose module a HAL device runs: local-task/local-sync -> cpu,
+    cuda -> cuda, hip -> rocm."""
+    if device.startswith("local"):
+        return "cpu"
+    return "cuda" if device.startswith("cuda") else "rocm"
+
+
 class FunctionKind(str, enum.Enum):
     PREFILL = "prefill"  # logits [N, T, V] at every position (shortfin's)
     PREFILL_LAST = "prefill_last"  # the same call, logits [N, 1, V] at each row's last token (Kiln's)

@@ -1,6 +1,6 @@
 """Opening the HAL devices a program runs on, and a KV cache spread over several of them.
 
-A one-device program gets `iree.runtime.get_device(uri)` as before. A multi-device export
+A one-device program gets `iree.runtime.get_device(uri)`. A multi-device export
 (runtime/device_layout.py) needs `count` distinct devices, in ordinal order: CPU drivers
 (local-task, local-sync) make a fresh instance per ordinal, each with its own task workers;
 GPU drivers take the driver's first `count` devices, or the devices a comma-separated list
@@ -27,7 +27,11 @@ def open_devices(uri: str, count: int) -> list[ireert.HalDevice]:
         raise ModelLoadError(f"{len(uris)} devices were named ({uri}); this export runs on {count}")
     try:
         if count == 1:
-            return [ireert.get_device(uri)]
+            # A GPU device is opened afresh for each program: IREE's CUDA driver makes its context
+            # current only on the thread that opens the device, and each service runs its device
+            # work on a thread of its own (runtime/executor.py), so a device cached from an
+            # earlier service is unusable from the next one's thread. CPU devices are shared.
+            return [ireert.get_device(uri, cache=uri.split("://")[0] in CPU_DRIVERS)]
         if len(uris) > 1:
             return [ireert.get_device(part, cache=False) for part in uris]
         driver_name = uri.split("://")[0]

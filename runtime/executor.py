@@ -3,6 +3,11 @@
 The call runs on one worker thread: invoke releases the GIL, so the event loop keeps
 serving while the device works. What to call with which arrays is decided, and
 checked, by `build_invocation`.
+
+That thread is the service's device thread (`new_device_thread`), the one that also opened
+the device and allocated its KV caches: IREE's CUDA driver makes its context current only on
+the thread that opened the device, and a buffer allocated from any other thread (a call's
+arguments) fails with CUDA_ERROR_INVALID_CONTEXT.
 """
 
 from __future__ import annotations
@@ -17,16 +22,26 @@ from .invocation import Invocation, InvocationError, build_invocation
 from .program import Program
 
 
+def new_device_thread() -> ThreadPoolExecutor:
+    """A thread for everything that touches a service's devices, in order."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-device")
+
+
 class Executor:
-    def __init__(self, program: Program, cache_buffer, page_count: int, vocab_size: int):
+    def __init__(self, program: Program, cache_buffer, page_count: int, vocab_size: int,
+                 thread: ThreadPoolExecutor | None = None):
+        """`thread`: the device thread the program was opened on (its owner closes it); a new
+        one of the executor's own where not given."""
         self.program = program
         self.cache = cache_buffer
         self.page_count = page_count
         self.vocab_size = vocab_size
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-device")
+        self._owns_thread = thread is None
+        self._thread = thread or new_device_thread()
 
     def close(self) -> None:
-        self._thread.shutdown(wait=True)
+        if self._owns_thread:
+            self._thread.shutdown(wait=True)
 
     def _invoke(self, invocation: Invocation) -> list[np.ndarray | None]:
         logits = self.program.call(invocation.function, *invocation.arguments, self.cache)

@@ -24,7 +24,7 @@ from .contract import TOKENIZER_CONFIG_FILE, Artifacts
 from .diffusion.checks import check_diffusion_request
 from .diffusion.scheduler import DiffusionScheduler, DiffusionSchedulerConfig
 from .errors import InvalidRequestError, ModelLoadError, NotReadyError, QueueFullError
-from .executor import Executor
+from .executor import Executor, new_device_thread
 from .grammar import GrammarCompiler, grammar_engine_installed
 from .kvcache.events import CacheCleared, KvEventLog
 from .kvcache.page_pool import PagePool
@@ -95,6 +95,9 @@ class GenerateService:
         self._prepare = prepare
         self._program_factory = program_factory
         self.state = ServiceState.LOADING
+        # Loading (the devices opened, the KV caches allocated) and every executor's calls run
+        # on this one thread (runtime/executor.py says why).
+        self._device_thread = new_device_thread()
         self.artifacts: Artifacts | None = config.artifacts  # what was loaded (or will be)
         self.program: Program | None = None
         self.tokenizer: Tokenizer | None = None
@@ -119,7 +122,7 @@ class GenerateService:
     # -- lifecycle --------------------------------------------------------------------
     async def start(self) -> "GenerateService":
         """Load everything (off the event loop), then start the batcher. LOADING -> READY."""
-        await asyncio.get_running_loop().run_in_executor(None, self._load)
+        await asyncio.get_running_loop().run_in_executor(self._device_thread, self._load)
         self.batcher.start()
         self.state = ServiceState.READY
         return self
@@ -191,7 +194,7 @@ class GenerateService:
             cache,
             self.eos_token_ids,
         )
-        executor = Executor(program, pool.buffer, page_count, self.vocab_size)
+        executor = Executor(program, pool.buffer, page_count, self.vocab_size, self._device_thread)
         self.program, self.cache, self.pool = program, cache, pool
         speculator = self._speculator(abi, scheduler) if config.speculative is not None else None
         self.batcher = Batcher(scheduler, executor, OutputProcessor(self.tokenizer), Sampler(self.eos_token_ids),
@@ -237,7 +240,8 @@ class GenerateService:
         pages = -(-tokens // own.block_seq_stride) + 1
         pool = PagePool(pages, verifier.allocate_cache)
         self.verifier_cache = PlainPagedAttentionCache(pool, own.block_seq_stride)
-        self.verifier_executor = Executor(verifier, pool.buffer, pages, verifier.kiln.vocab_size or verifier_vocab)
+        self.verifier_executor = Executor(verifier, pool.buffer, pages, verifier.kiln.vocab_size or verifier_vocab,
+                                          self._device_thread)
         self.verifier = verifier
 
     def _same_tokenizer(self, artifacts: Artifacts, label: str) -> int:
@@ -278,7 +282,7 @@ class GenerateService:
         pages = min(self.pool.total, -(-abi.max_seq_len // own.block_seq_stride) * self.config.max_running) + 1
         pool = PagePool(pages, draft.allocate_cache)
         self.draft_program = draft
-        self.draft_executor = Executor(draft, pool.buffer, pages, draft_vocab)
+        self.draft_executor = Executor(draft, pool.buffer, pages, draft_vocab, self._device_thread)
         return Speculator(scheduler, spec.num_tokens, self.vocab_size, max_rows=spec.disable_by_batch_size,
                           draft_model=DraftModel(
             self.draft_executor, PlainPagedAttentionCache(pool, own.block_seq_stride), own.prefill_batch_sizes,
@@ -310,6 +314,7 @@ class GenerateService:
     async def stop(self, grace_seconds: float = 30.0) -> None:
         """Stop taking requests, let running ones finish for up to the grace period, abort the rest."""
         if self.state in (ServiceState.STOPPED, ServiceState.LOADING) or self.batcher is None:
+            self._device_thread.shutdown(wait=False)
             self.state = ServiceState.STOPPED
             return
         self.state = ServiceState.DRAINING
@@ -324,10 +329,7 @@ class GenerateService:
         if self.kv_tiers is not None:  # the last step's copies made, and saved
             await self.batcher.copy_pages()
             await self.kv_tiers.close()
-        self.batcher.executor.close()
-        for extra in (self.verifier_executor, self.draft_executor):
-            if extra is not None:
-                extra.close()
+        self._device_thread.shutdown(wait=True)
         self.state = ServiceState.STOPPED
 
     # -- what callers may ask -----------------------------------------------------------

@@ -1,8 +1,12 @@
-"""Timings and greedy tokens through Hugging Face transformers (eager PyTorch on the CPU).
+"""Timings and greedy tokens through Hugging Face transformers (eager PyTorch, CPU or GPU).
 Runs inside the transformers venv; prints one JSON object on stdout.
 
     python transformers_bench.py offline HF_DIR
+    python transformers_bench.py offline HF_DIR --device cuda --dtype bfloat16 --random-weights
     python transformers_bench.py greedy HF_DIR 'prompt text' N
+
+--random-weights builds the model from HF_DIR's config.json alone (random initial weights):
+the timings of a model of those shapes, where its weights are not at hand.
 
 Same definitions as every peer: prefill_N_ms = median time of one forward over an N-token
 random prompt with a fresh cache (batch 1, last-position logits only, as generate does);
@@ -12,32 +16,46 @@ starts with), i.e. the 128 one-token decode steps after a 128-token prompt.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 THREADS = 2
 PROMPT, GENERATED = 128, 128
 REPEATS_PREFILL, REPEATS_DECODE = 5, 3
 
 
-def load(directory: str):
+def load(directory: str, device: str = "cpu", dtype: str = "float32", random_weights: bool = False):
     torch.set_num_threads(THREADS)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    return model.eval()
+    if random_weights:
+        torch.manual_seed(0)
+        config = AutoConfig.from_pretrained(directory)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype))
+    return model.to(device).eval()
+
+
+def _synchronize() -> None:
+    # GPU kernels run after the Python call returns; a timing ends when they have finished.
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _median(fn, repeats: int) -> float:
     """Median seconds of `fn()` over `repeats` runs after one warm-up."""
     fn()
+    _synchronize()
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        _synchronize()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
 
@@ -62,13 +80,13 @@ def decode_tok_s(model, ids: torch.Tensor) -> float:
     return ids.shape[0] * GENERATED / (total - prefill_s(model, ids))
 
 
-def offline(directory: str) -> dict:
-    model = load(directory)
+def offline(directory: str, device: str = "cpu", dtype: str = "float32", random_weights: bool = False) -> dict:
+    model = load(directory, device, dtype, random_weights)
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
 
     def ids(*shape):
-        return torch.randint(100, vocab - 100, shape, generator=gen)
+        return torch.randint(100, vocab - 100, shape, generator=gen).to(device)
 
     return {
         "prefill_128_ms": round(prefill_s(model, ids(1, 128)) * 1e3, 2),
@@ -77,6 +95,8 @@ def offline(directory: str) -> dict:
         "decode_bs8_tok_s": round(decode_tok_s(model, ids(8, PROMPT)), 2),
         "decode_bs8_source": "model.generate on a batch of 8",
         "threads": THREADS,
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+        "torch_dtype": dtype,
         "attn_implementation": model.config._attn_implementation,
         "torch": torch.__version__,
     }
@@ -93,12 +113,19 @@ def greedy(directory: str, text: str, n: int) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    if argv[0] == "offline":
-        result = offline(argv[1])
-    elif argv[0] == "greedy":
-        result = greedy(argv[1], argv[2], int(argv[3]))
+    parser = argparse.ArgumentParser(usage=__doc__)
+    parser.add_argument("mode", choices=("offline", "greedy"))
+    parser.add_argument("directory")
+    parser.add_argument("text", nargs="?")
+    parser.add_argument("tokens", nargs="?", type=int)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--random-weights", action="store_true")
+    args = parser.parse_args(argv)
+    if args.mode == "offline":
+        result = offline(args.directory, args.device, args.dtype, args.random_weights)
     else:
-        raise SystemExit(__doc__)
+        result = greedy(args.directory, args.text, args.tokens)
     import transformers
 
     print(json.dumps({**result, "transformers": transformers.__version__}), flush=True)

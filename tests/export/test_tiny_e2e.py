@@ -141,6 +141,15 @@ def test_gpu_targets_compile(tiny_artifacts, tmp_path, target, arch):
     assert out.stat().st_size > 10_000
 
 
+def test_a_gpu_arch_iree_cannot_target_is_refused_with_what_to_use(tiny_artifacts, tmp_path):
+    out = tmp_path / "model_cuda.vmfb"
+    result = run_kiln("compile-vmfb", str(tiny_artifacts / "model.mlir"), "--target", "cuda", "--arch", "sm_90",
+                      "-o", str(out), check=False)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "no cuda code generation for --arch sm_90: compile for sm_80" in result.stderr
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("dtype,kv_dtype", [("float16", ""), ("bfloat16", ""), ("float32", "float16")])
 def test_half_precision_exports_run_close_to_the_float32_reference(tiny_hf_dir, tmp_path, reference, dtype, kv_dtype):
     from tests.conftest import TINY_EXPORT_ARGS
