@@ -54,8 +54,9 @@ def parameter_manifest(mlir: str) -> list[dict]:
 
 def synthetic_values(name: str, shape: list[int], element: str) -> np.ndarray:
     """Deterministic values for one parameter: a 64-bit mix of (element index, crc32 of the name)
-    mapped to [-1, 1), scaled like a trained model's (norm weights near 1, the rest small).
-    Integer arithmetic only, so every machine and numpy version gives the same bits."""
+    mapped to [-1, 1), scaled like a trained model's (norm weights near 1, the rest small). The
+    mix is integer arithmetic and the float steps are single IEEE operations on float32, so every
+    machine and numpy version gives the same bits."""
     count = int(np.prod(shape, dtype=np.int64))
     x = np.arange(count, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(zlib.crc32(name.encode()))
     x ^= x >> np.uint64(31)
