@@ -122,6 +122,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--random-weights", action="store_true")
     args = parser.parse_args(argv)
+    if args.mode == "greedy" and (args.text is None or args.tokens is None):
+        parser.error("greedy takes HF_DIR, the prompt text and the number of tokens")
     if args.mode == "offline":
         result = offline(args.directory, args.device, args.dtype, args.random_weights)
     else:
