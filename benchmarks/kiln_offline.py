@@ -38,15 +38,15 @@ def label(dtype: str, quantize: str = "none") -> str:
     return QUANTIZED_LABEL.get(quantize) or SHORT_DTYPE[dtype]
 
 
-def build_in_child(options: str, targets: tuple[str, ...] = ("cpu",), arch: dict[str, str] | None = None) -> Path:
+def build_in_child(options: str, targets: tuple[str, ...] = ("cpu",)) -> Path:
     """The bundled model exported with `options` (Python source building ExportOptions) and
-    compiled for `targets` (with `arch` per target, else the defaults), into Kiln's keyed
-    cache (built once), in a child process."""
+    compiled for `targets` at their default archs, into Kiln's keyed cache (built once), in a
+    child process."""
     code = (
         "import sys\n"
         "from kiln.export.build import build, default_build_options\n"
         "from kiln.export.options import ExportOptions\n"
-        f"out = build(None, {options}, {list(targets)!r}, arch={arch!r}, log=lambda m: print(m, file=sys.stderr))\n"
+        f"out = build(None, {options}, {list(targets)!r}, log=lambda m: print(m, file=sys.stderr))\n"
         "print(out)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.PIPE, text=True)

@@ -29,19 +29,13 @@ def new_device_thread() -> ThreadPoolExecutor:
 
 class Executor:
     def __init__(self, program: Program, cache_buffer, page_count: int, vocab_size: int,
-                 thread: ThreadPoolExecutor | None = None):
-        """`thread`: the device thread the program was opened on (its owner closes it); a new
-        one of the executor's own where not given."""
+                 thread: ThreadPoolExecutor):
+        """`thread`: the device thread the program was opened on (the service owns and closes it)."""
         self.program = program
         self.cache = cache_buffer
         self.page_count = page_count
         self.vocab_size = vocab_size
-        self._owns_thread = thread is None
-        self._thread = thread or new_device_thread()
-
-    def close(self) -> None:
-        if self._owns_thread:
-            self._thread.shutdown(wait=True)
+        self._thread = thread
 
     def _invoke(self, invocation: Invocation) -> list[np.ndarray | None]:
         logits = self.program.call(invocation.function, *invocation.arguments, self.cache)
