@@ -145,21 +145,28 @@ void kiln_row_matmul_bf16(MEMREF_BF16(x), MEMREF_BF16(w), float *y_allocated, fl
   const int8_t *name##_allocated, const int8_t *restrict name, size_t name##_offset, size_t name##_size, \
   size_t name##_stride
 
+/* The block kernels' operands (q, xs, xsum, w, ws, wo, y) moved to their offsets; the memref
+ * fields they do not read are dropped. */
+#define BLOCK_OPERANDS_AT_OFFSETS()                                                                     \
+  do {                                                                                                 \
+    (void)q_allocated; (void)q_size; (void)q_stride; (void)xs_allocated; (void)xs_size; (void)xs_stride; \
+    (void)xsum_allocated; (void)xsum_size; (void)xsum_stride; (void)w_allocated; (void)w_size;         \
+    (void)w_stride; (void)ws_allocated; (void)ws_size; (void)ws_stride; (void)wo_allocated;            \
+    (void)wo_size; (void)wo_stride; (void)y_allocated; (void)y_size; (void)y_stride;                   \
+    q += q_offset;                                                                                     \
+    xs += xs_offset;                                                                                   \
+    xsum += xsum_offset;                                                                               \
+    w += w_offset;                                                                                     \
+    ws += ws_offset;                                                                                   \
+    wo += wo_offset;                                                                                   \
+    y += y_offset;                                                                                     \
+  } while (0)
+
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 void kiln_row_matmul_q8(MEMREF_I8(q), MEMREF_F32(xs), MEMREF_F32(xsum), MEMREF_I8(w), MEMREF_F32(ws),
                         MEMREF_F32(wo), float *y_allocated, float *restrict y, size_t y_offset, size_t y_size,
                         size_t y_stride, size_t n_dim, size_t k_dim, size_t has_offset, size_t row0, size_t rows) {
-  (void)q_allocated; (void)q_size; (void)q_stride; (void)xs_allocated; (void)xs_size; (void)xs_stride;
-  (void)xsum_allocated; (void)xsum_size; (void)xsum_stride; (void)w_allocated; (void)w_size; (void)w_stride;
-  (void)ws_allocated; (void)ws_size; (void)ws_stride; (void)wo_allocated; (void)wo_size; (void)wo_stride;
-  (void)y_allocated; (void)y_size; (void)y_stride;
-  q += q_offset;
-  xs += xs_offset;
-  xsum += xsum_offset;
-  w += w_offset;
-  ws += ws_offset;
-  wo += wo_offset;
-  y += y_offset;
+  BLOCK_OPERANDS_AT_OFFSETS();
   const size_t groups = k_dim / 32;
   size_t end = row0 + rows < n_dim ? row0 + rows : n_dim;
   const __m512i zero = _mm512_setzero_si512();
@@ -210,5 +217,174 @@ void kiln_row_matmul_q8(MEMREF_I8(q), MEMREF_F32(xs), MEMREF_F32(xsum), MEMREF_I
       sum += xs[g] * block;
     }
     y[r] = sum;
+  }
+}
+
+/* The same product for 4-bit blocks stored two values a byte (Q4_0, Q4_1, Q4_K), half the bytes
+ * of int8 values, for one input row or several (a decode step at batch M: q [M, K], xs and xsum
+ * [M, G], y [M, N]). Each block of 32 is 16 bytes as ggml lays it out: byte j's low nibble is
+ * value j, its high nibble value j + 16. The values are unsigned (0-15; Q4_0's q - 8 is q with an
+ * offset of -8 d), so the dot products take them as VNNI's unsigned operand and the quantized
+ * input as its signed one, and the offset term is always there:
+ *
+ *   y[m][n] = sum_g xs[m][g] * (isum(m, g, n) * ws[g][n] + xsum[m][g] * wo[g][n])
+ *
+ * Half the bytes leave the arithmetic as what bounds the loop, so it is cut to the bone: the
+ * offset terms are a pass of their own (a [G] x [G, rows] product per input row, 16 rows a
+ * vector), and the sums read four blocks (64 bytes) of a row at a time, whose 128 values come
+ * out as two vectors, the low nibbles (values 0-15 of each block) and the high ones (16-31), with
+ * the input's 128 bytes shuffled to the same order. One input row reads eight weight rows side
+ * by side, so the input's shuffle and the block scales are set up once for eight; several input
+ * rows read four weight rows, unpacked once for four input rows. */
+enum { Q4_PREFETCH_ROWS = 16 };  /* rows half as long as Q8_0's: the same bytes ahead */
+
+static inline __m512 side_by_side(__m256 a, __m256 b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(a)), _mm256_castps_pd(b), 1));
+}
+
+/* Input blocks g..g+count-1 (count <= 4) as the nibbles meet them: the first halves of the four
+ * blocks side by side (x_low), then the last halves (x_high); missing blocks read as zeros. */
+__attribute__((target("avx512f,avx512bw")))
+static inline void q4_input(const int8_t *q, size_t count, __m512i *x_low, __m512i *x_high) {
+  const __mmask64 first = count >= 2 ? ~(__mmask64)0 : (__mmask64)0xFFFFFFFFull;
+  const __mmask64 second = count == 4 ? ~(__mmask64)0 : count == 3 ? (__mmask64)0xFFFFFFFFull : 0;
+  __m512i x01 = _mm512_maskz_loadu_epi8(first, q);
+  __m512i x23 = _mm512_maskz_loadu_epi8(second, q + 64);
+  *x_low = _mm512_shuffle_i64x2(x01, x23, _MM_SHUFFLE(2, 0, 2, 0));
+  *x_high = _mm512_shuffle_i64x2(x01, x23, _MM_SHUFFLE(3, 1, 3, 1));
+}
+
+/* One weight row's four blocks as int32 sums with the input's (lanes 4i..4i+3: block i). */
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static inline __m512i q4_dot(__m512i packed, __m512i x_low, __m512i x_high) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512i w_low = _mm512_and_si512(packed, low);
+  __m512i w_high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w_low, x_low), w_high, x_high);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void q4_one_row(const int8_t *q, const float *xs, const int8_t *w, const float *ws, float *y, size_t n_dim,
+                       size_t k_dim, size_t r, size_t end) {
+  const size_t groups = k_dim / 32, row_bytes = k_dim / 2;
+  /* Row j's scales for a dot product's lanes are picked from the eight rows' scales of blocks g,
+   * g + 1 (the first vector) and g + 2, g + 3 (the second): block i's row j is lane 8i + j. */
+  __m512i pick[8];
+  for (int j = 0; j < 8; ++j)
+    pick[j] = _mm512_set_epi32(24 + j, 24 + j, 24 + j, 24 + j, 16 + j, 16 + j, 16 + j, 16 + j,
+                               8 + j, 8 + j, 8 + j, 8 + j, j, j, j, j);
+  for (; r + 8 <= end; r += 8) {
+    __m512 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+    for (size_t g = 0; g < groups; g += 4) {
+      const size_t count = groups - g < 4 ? groups - g : 4;
+      __m512i x_low, x_high;
+      q4_input(q + g * 32, count, &x_low, &x_high);
+      __m256 s[4];
+      for (size_t i = 0; i < 4; ++i)
+        s[i] = i < count ? _mm256_mul_ps(_mm256_set1_ps(xs[g + i]), _mm256_loadu_ps(ws + (g + i) * n_dim + r))
+                         : _mm256_setzero_ps();
+      __m512 scales01 = side_by_side(s[0], s[1]), scales23 = side_by_side(s[2], s[3]);
+      const __mmask64 bytes = count == 4 ? ~(__mmask64)0 : (((__mmask64)1 << (16 * count)) - 1);
+      for (int j = 0; j < 8; ++j) {
+        const int8_t *row = w + (r + j) * row_bytes + g * 16;
+        _mm_prefetch((const char *)(row + Q4_PREFETCH_ROWS * row_bytes), _MM_HINT_T0);
+        __m512i dot = q4_dot(_mm512_maskz_loadu_epi8(bytes, row), x_low, x_high);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutex2var_ps(scales01, pick[j], scales23), acc[j]);
+      }
+    }
+    for (int j = 0; j < 8; ++j) y[r + j] += _mm512_reduce_add_ps(acc[j]);
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void q4_rows(const int8_t *q, const float *xs, const int8_t *w, const float *ws, float *y, size_t n_dim,
+                    size_t k_dim, size_t m_dim, size_t r, size_t end) {
+  const size_t groups = k_dim / 32, row_bytes = k_dim / 2;
+  /* Lanes 4i..4i+3 of a dot product are block i's: weight row j's scale for them is lane 4i + j
+   * of the four rows' scales of the four blocks, an input row's is its block i's scale. */
+  __m512i pick[4];
+  for (int j = 0; j < 4; ++j)
+    pick[j] = _mm512_set_epi32(12 + j, 12 + j, 12 + j, 12 + j, 8 + j, 8 + j, 8 + j, 8 + j,
+                               4 + j, 4 + j, 4 + j, 4 + j, j, j, j, j);
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  for (; r + 4 <= end; r += 4) {
+    for (size_t m0 = 0; m0 < m_dim; m0 += 4) {
+      const size_t inputs = m_dim - m0 < 4 ? m_dim - m0 : 4;
+      __m512 acc[4][4];
+      for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+      for (size_t g = 0; g < groups; g += 4) {
+        const size_t count = groups - g < 4 ? groups - g : 4;
+        const __mmask64 bytes = count == 4 ? ~(__mmask64)0 : (((__mmask64)1 << (16 * count)) - 1);
+        const __mmask16 blocks = (__mmask16)((1u << count) - 1u);
+        __m128 s[4];
+        for (size_t i = 0; i < 4; ++i) s[i] = i < count ? _mm_loadu_ps(ws + (g + i) * n_dim + r) : _mm_setzero_ps();
+        __m512 scales = _mm512_insertf32x4(
+            _mm512_insertf32x4(_mm512_insertf32x4(_mm512_castps128_ps512(s[0]), s[1], 1), s[2], 2), s[3], 3);
+        __m512i packed[4];
+        __m512 row_scale[4];
+        for (int j = 0; j < 4; ++j) {
+          const int8_t *row = w + (r + j) * row_bytes + g * 16;
+          _mm_prefetch((const char *)(row + Q4_PREFETCH_ROWS * row_bytes), _MM_HINT_T0);
+          packed[j] = _mm512_maskz_loadu_epi8(bytes, row);
+          row_scale[j] = _mm512_permutexvar_ps(pick[j], scales);
+        }
+        for (size_t i = 0; i < inputs; ++i) {
+          const size_t m = m0 + i;
+          __m512i x_low, x_high;
+          q4_input(q + m * k_dim + g * 32, count, &x_low, &x_high);
+          __m512 input_scale = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(blocks, xs + m * groups + g));
+          for (int j = 0; j < 4; ++j) {
+            __m512 dot = _mm512_cvtepi32_ps(q4_dot(packed[j], x_low, x_high));
+            acc[i][j] = _mm512_fmadd_ps(_mm512_mul_ps(dot, row_scale[j]), input_scale, acc[i][j]);
+          }
+        }
+      }
+      for (size_t i = 0; i < inputs; ++i)
+        for (int j = 0; j < 4; ++j) y[(m0 + i) * n_dim + r + j] += _mm512_reduce_add_ps(acc[i][j]);
+    }
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+void kiln_row_matmul_q4(MEMREF_I8(q), MEMREF_F32(xs), MEMREF_F32(xsum), MEMREF_I8(w), MEMREF_F32(ws),
+                        MEMREF_F32(wo), float *y_allocated, float *restrict y, size_t y_offset, size_t y_size,
+                        size_t y_stride, size_t n_dim, size_t k_dim, size_t m_dim, size_t row0, size_t rows) {
+  BLOCK_OPERANDS_AT_OFFSETS();
+  const size_t groups = k_dim / 32, row_bytes = k_dim / 2;
+  const size_t end = row0 + rows < n_dim ? row0 + rows : n_dim;
+  /* The offset terms: y[m] = sum_g (xs[m][g] * xsum[m][g]) * wo[g][rows]; the sums are added below. */
+  for (size_t m = 0; m < m_dim; ++m) {
+    for (size_t r = row0; r < end; r += 16) {
+      const __mmask16 lanes = end - r >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (end - r)) - 1u);
+      __m512 sum = _mm512_setzero_ps();
+      for (size_t g = 0; g < groups; ++g)
+        sum = _mm512_fmadd_ps(_mm512_set1_ps(xs[m * groups + g] * xsum[m * groups + g]),
+                              _mm512_maskz_loadu_ps(lanes, wo + g * n_dim + r), sum);
+      _mm512_mask_storeu_ps(y + m * n_dim + r, lanes, sum);
+    }
+  }
+  /* The rows the vector loops leave (fewer than a whole group at the end of N) one at a time. */
+  const size_t side = m_dim == 1 ? 8 : 4;
+  const size_t whole = row0 + (end - row0) / side * side;
+  if (m_dim == 1)
+    q4_one_row(q, xs, w, ws, y, n_dim, k_dim, row0, whole);
+  else
+    q4_rows(q, xs, w, ws, y, n_dim, k_dim, m_dim, row0, whole);
+  for (size_t m = 0; m < m_dim; ++m) {
+    for (size_t r = whole; r < end; ++r) {
+      const uint8_t *row = (const uint8_t *)w + r * row_bytes;
+      float sum = 0.f;
+      for (size_t g = 0; g < groups; ++g) {
+        int32_t dot = 0;
+        for (size_t i = 0; i < 16; ++i) {
+          dot += (int32_t)(row[g * 16 + i] & 0x0F) * (int32_t)q[m * k_dim + g * 32 + i];
+          dot += (int32_t)(row[g * 16 + i] >> 4) * (int32_t)q[m * k_dim + g * 32 + 16 + i];
+        }
+        sum += xs[m * groups + g] * (float)dot * ws[g * n_dim + r];
+      }
+      y[m * n_dim + r] += sum;
+    }
   }
 }

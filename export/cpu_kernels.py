@@ -2,12 +2,14 @@
 
 At batch 1 a decode step's time is the time to read its weights. `cpu_kernels.c` holds one-row
 matmuls for float32, bfloat16 and block-quantized int8 weights (Q8_0, Q4_0, Q4_1: both scales,
-the offset term and the sum over the blocks in one loop) that read four weight rows side by
-side with a prefetch ahead of them. The export compiles them with the system's C compiler into
-an object file beside the MLIR, and each one-row weight matmul of those kinds becomes a
+the offset term and the sum over the blocks in one loop), and one-token matmuls of any number of
+rows for 4-bit blocks stored two values a byte (Q4_0, Q4_1, Q4_K), that read several weight rows
+side by side with a prefetch ahead of them. The export compiles them with the system's C
+compiler into an object file beside the MLIR, and each weight matmul of those kinds becomes a
 dispatch of one: a `stream.executable` whose function calls the object's symbol, which IREE
 links into its embedded ELF (IREE's "custom dispatch" mechanism). Every other matmul (prefill,
-decode at several rows, int8 with row scales, the block types of 16) keeps IREE's code.
+decode at several rows but for the 4-bit blocks, int8 with row scales, the block types of 16)
+keeps IREE's code.
 What they measured against IREE's kernels: benchmarks/NOTES.md, "Hand-written one-row matmuls".
 
 The object is built for the machine that exports (x86-64 with AVX-512; the bfloat16 and block
@@ -30,7 +32,7 @@ import torch
 from iree.compiler import ir
 from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection
 
-from kiln.models.quantize import BLOCK
+from kiln.models.quantize import BLOCK, unpack_nibbles
 from kiln.runtime.errors import ExportError
 
 from .compile import CPU_KERNELS_OBJECT as OBJECT_FILE
@@ -207,82 +209,99 @@ class row_matmul(CustomOp):
         emit_function(kb, name, _row_matmul_text(name, k, n, element))
 
 
-def _row_blocks_text(name: str, k: int, n: int, has_offset: bool) -> str:
+def _row_blocks_text(name: str, k: int, n: int, has_offset: bool, packed: bool = False, m: int = 1) -> str:
     """A module holding the block kernel's executable and `name`, which dispatches it on the
     quantized input (q [1, K] int8, its block scales xs [G] and, with offsets, its block sums
     xsum [G]) and a block weight (w [N, K] int8, scales ws [G, N], offsets wo [G, N]) for
-    y [1, N] in float32. Without offsets, xs and ws stand in for the unread xsum and wo. The
-    executable reads every size from its operands, so those of all shapes are one and the same
-    (IREE merges them; executables of one name and different bodies would clash)."""
-    groups = k // BLOCK
+    y [1, N] in float32. Without offsets, xs and ws stand in for the unread xsum and wo.
+    `packed`: the 4-bit kernel, w holding values two a byte ([N, K / 2]) with offsets, for `m`
+    input rows (q [M, K], xs and xsum [M, G], y [M, N]). The executable reads every size from its
+    operands, so those of all shapes are one and the same (IREE merges them; executables of one
+    name and different bodies would clash)."""
+    groups, width = k // BLOCK, k // 2 if packed else k
     i8, f32 = "memref<?xi8>", "memref<?xf32>"
-    operands = [("q", f"tensor<1x{k}xi8>"), ("xs", f"tensor<{groups}xf32>"), ("w", f"tensor<{n}x{k}xi8>"),
-                ("ws", f"tensor<{groups}x{n}xf32>")]
+    input_sums = ((m, groups) if packed else (groups,), "f32")
+    operands = [("q", (m, k), "i8"), ("xs", *input_sums), ("w", (n, width), "i8"), ("ws", (groups, n), "f32")]
     if has_offset:
-        operands += [("xsum", f"tensor<{groups}xf32>"), ("wo", f"tensor<{groups}x{n}xf32>")]
-    arguments = ", ".join(f"%{a}: {t}" for a, t in operands)
-    xsum, wo = ("%xsum", "%wo_flat") if has_offset else ("%xs", "%ws_flat")
-    wo_flat = (f"%wo_flat = tensor.collapse_shape %wo [[0, 1]] : tensor<{groups}x{n}xf32> into tensor<{groups * n}xf32>"
-               if has_offset else "")
+        operands += [("xsum", *input_sums), ("wo", (groups, n), "f32")]
+    tensor = {a: f"tensor<{'x'.join(map(str, dims))}x{element}>" for a, dims, element in operands}
+    arguments = ", ".join(f"%{a}: {tensor[a]}" for a, _, _ in operands)
+    # Every operand as the 1-D buffer the kernel reads.
+    flat = {a: f"%{a}_flat" if len(dims) == 2 else f"%{a}" for a, dims, _ in operands}
+    collapses = "\n  ".join(f"{flat[a]} = tensor.collapse_shape %{a} [[0, 1]] : {tensor[a]} into "
+                            f"tensor<{dims[0] * dims[1]}x{element}>" for a, dims, element in operands if len(dims) == 2)
+    if not has_offset:
+        flat["xsum"], flat["wo"] = flat["xs"], flat["ws"]
+    # The third size operand: whether the int8 kernel adds offsets, or how many input rows the
+    # 4-bit one (which always adds them) takes.
+    symbol, third = ("kiln_row_matmul_q4", m) if packed else ("kiln_row_matmul_q8", int(has_offset))
+    export = "row_nibbles" if packed else "row_blocks"  # one name per body: IREE links them all into one
+    w_size = "%nk_packed" if packed else "%nk"
+    # The 4-bit kernel's row count is an operand, so that one body serves every shape.
+    m_line = "%m = arith.addi %third, %c0 : index" if packed else "%m = arith.constant 1 : index"
+    flat_types = (f"tensor<{m * k}xi8>, tensor<{m * groups}xf32>, tensor<{m * groups}xf32>, tensor<{n * width}xi8>, "
+                  f"tensor<{groups * n}xf32>, tensor<{groups * n}xf32>")
     return f"""module {{
-{_executable_header(name, "row_blocks")}
+{_executable_header(name, export)}
   builtin.module {{
-    func.func private @kiln_row_matmul_q8({i8}, {f32}, {f32}, {i8}, {f32}, {f32}, {f32}, index, index, index,
-                                          index, index) attributes {{hal.import.static}}
-    func.func @row_blocks(%q_binding: !stream.binding, %xs_binding: !stream.binding, %xsum_binding: !stream.binding,
-                          %w_binding: !stream.binding, %ws_binding: !stream.binding, %wo_binding: !stream.binding,
-                          %y_binding: !stream.binding, %n: index, %k: index, %has_offset: index) {{
+    func.func private @{symbol}({i8}, {f32}, {f32}, {i8}, {f32}, {f32}, {f32}, index, index, index, index,
+                                index) attributes {{hal.import.static}}
+    func.func @{export}(%q_binding: !stream.binding, %xs_binding: !stream.binding, %xsum_binding: !stream.binding,
+                        %w_binding: !stream.binding, %ws_binding: !stream.binding, %wo_binding: !stream.binding,
+                        %y_binding: !stream.binding, %n: index, %k: index, %third: index) {{
       %c0 = arith.constant 0 : index
+      %c2 = arith.constant 2 : index
       %rows = arith.constant {ROWS_PER_WORKGROUP} : index
       %block = arith.constant {BLOCK} : index
+      {m_line}
       %groups = arith.divui %k, %block : index
       %group = stream.dispatch.workgroup.id[0] : index
       %row0 = arith.muli %group, %rows : index
+      %mk = arith.muli %m, %k : index
+      %mg = arith.muli %m, %groups : index
+      %mn = arith.muli %m, %n : index
       %nk = arith.muli %n, %k : index
+      %nk_packed = arith.divui %nk, %c2 : index
       %gn = arith.muli %groups, %n : index
-      %q = stream.binding.subspan %q_binding[%c0] : !stream.binding -> {i8}{{%k}}
-      %xs = stream.binding.subspan %xs_binding[%c0] : !stream.binding -> {f32}{{%groups}}
-      %xsum = stream.binding.subspan %xsum_binding[%c0] : !stream.binding -> {f32}{{%groups}}
-      %w = stream.binding.subspan %w_binding[%c0] : !stream.binding -> {i8}{{%nk}}
+      %q = stream.binding.subspan %q_binding[%c0] : !stream.binding -> {i8}{{%mk}}
+      %xs = stream.binding.subspan %xs_binding[%c0] : !stream.binding -> {f32}{{%mg}}
+      %xsum = stream.binding.subspan %xsum_binding[%c0] : !stream.binding -> {f32}{{%mg}}
+      %w = stream.binding.subspan %w_binding[%c0] : !stream.binding -> {i8}{{{w_size}}}
       %ws = stream.binding.subspan %ws_binding[%c0] : !stream.binding -> {f32}{{%gn}}
       %wo = stream.binding.subspan %wo_binding[%c0] : !stream.binding -> {f32}{{%gn}}
-      %y = stream.binding.subspan %y_binding[%c0] : !stream.binding -> {f32}{{%n}}
-      func.call @kiln_row_matmul_q8(%q, %xs, %xsum, %w, %ws, %wo, %y, %n, %k, %has_offset, %row0, %rows)
+      %y = stream.binding.subspan %y_binding[%c0] : !stream.binding -> {f32}{{%mn}}
+      func.call @{symbol}(%q, %xs, %xsum, %w, %ws, %wo, %y, %n, %k, %third, %row0, %rows)
           : ({i8}, {f32}, {f32}, {i8}, {f32}, {f32}, {f32}, index, index, index, index, index) -> ()
       return
     }}
   }}
 }}
-util.func private @{name}({arguments}) -> tensor<1x{n}xf32> {{
+util.func private @{name}({arguments}) -> tensor<{m}x{n}xf32> {{
   %n = arith.constant {n} : index
   %k = arith.constant {k} : index
-  %has_offset = arith.constant {int(has_offset)} : index
-  %q_flat = tensor.collapse_shape %q [[0, 1]] : tensor<1x{k}xi8> into tensor<{k}xi8>
-  %w_flat = tensor.collapse_shape %w [[0, 1]] : tensor<{n}x{k}xi8> into tensor<{n * k}xi8>
-  %ws_flat = tensor.collapse_shape %ws [[0, 1]] : tensor<{groups}x{n}xf32> into tensor<{groups * n}xf32>
-  {wo_flat}
-  %y_flat = flow.dispatch @{name}_executable::@row_blocks[%n](%q_flat, %xs, {xsum}, %w_flat, %ws_flat, {wo}, %n, %k,
-                                                              %has_offset)
-      : (tensor<{k}xi8>, tensor<{groups}xf32>, tensor<{groups}xf32>, tensor<{n * k}xi8>, tensor<{groups * n}xf32>,
-         tensor<{groups * n}xf32>, index, index, index) -> tensor<{n}xf32>
-  %y = tensor.expand_shape %y_flat [[0, 1]] output_shape [1, {n}] : tensor<{n}xf32> into tensor<1x{n}xf32>
-  util.return %y : tensor<1x{n}xf32>
+  %third = arith.constant {third} : index
+  {collapses}
+  %y_flat = flow.dispatch @{name}_executable::@{export}[%n]({flat["q"]}, {flat["xs"]}, {flat["xsum"]}, {flat["w"]},
+      {flat["ws"]}, {flat["wo"]}, %n, %k, %third) : ({flat_types}, index, index, index) -> tensor<{m * n}xf32>
+  %y = tensor.expand_shape %y_flat [[0, 1]] output_shape [{m}, {n}] : tensor<{m * n}xf32> into tensor<{m}x{n}xf32>
+  util.return %y : tensor<{m}x{n}xf32>
 }}
 }}"""
 
 
-def _check_row_blocks(ksel: KernelSelection, count: int):
+def _check_row_blocks(ksel: KernelSelection, count: int, packed: bool = False):
     args = [ksel.arg_tensor(i) for i in range(count)]
     q, xs, w, ws = args[:4]
-    torch._check(q.t.dtype == w.t.dtype == torch.int8 and q.t.dim() == w.t.dim() == 2 and q.t.shape[0] == 1,
-                 lambda: "row_blocks: int8 q [1, K] and w [N, K]")
-    torch._check(q.t.shape[1] == w.t.shape[1] and q.t.shape[1] % BLOCK == 0,
+    torch._check(q.t.dtype == w.t.dtype == torch.int8 and q.t.dim() == w.t.dim() == 2 and (packed or q.t.shape[0] == 1),
+                 lambda: "row_blocks: int8 q [1, K] and w [N, K] (or q [M, K] and w [N, K / 2], two values a byte)")
+    width = q.t.shape[1] // 2 if packed else q.t.shape[1]
+    torch._check(w.t.shape[1] == width and q.t.shape[1] % BLOCK == 0,
                  lambda: f"row_blocks: K a multiple of {BLOCK}, the same in q and w")
     floats = [arg for index, arg in enumerate(args) if index not in (0, 2)]
     torch._check(all(a.t.dtype == torch.float32 for a in floats), lambda: "row_blocks: float32 scales and sums")
     for arg in args:
         arg.specialize_dims(*range(arg.t.dim()))
-    ksel.return_new_tensor([1, w.t.shape[0]], torch.float32).specialize_dims(0, 1)
+    ksel.return_new_tensor([q.t.shape[0], w.t.shape[0]], torch.float32).specialize_dims(0, 1)
 
 
 def eager_row_blocks(q, xs, w, ws, xsum=None, wo=None):
@@ -333,6 +352,28 @@ class row_blocks_offset(CustomOp):
         emit_function(kb, name, _row_blocks_text(name, k, n, has_offset=True))
 
 
+@CustomOp.register(library=KILN_LIBRARY)
+class row_nibbles(CustomOp):
+    """row_blocks_offset for 4-bit values stored two a byte (w [N, K / 2] int8, models/quantize.py's
+    `pack_nibbles`) and M input rows (q [M, K], xs and xsum [M, G]; float32 [M, N]), through the
+    4-bit kernel."""
+
+    signature = "row_nibbles(Tensor q, Tensor xs, Tensor w, Tensor ws, Tensor xsum, Tensor wo) -> Tensor"
+
+    def select(self, ksel: KernelSelection):
+        _check_row_blocks(ksel, 6, packed=True)
+
+    def eager_execute(self, q, xs, w, ws, xsum, wo):
+        values = unpack_nibbles(w)
+        return torch.cat([eager_row_blocks(q[i:i + 1], xs[i], values, ws, xsum[i], wo) for i in range(q.shape[0])])
+
+    def generate(self, ksel: KernelSelection, kb: KernelBuilder):
+        m = ir.RankedTensorType(kb.arg_bindings[0].type).shape[0]
+        n, width = ir.RankedTensorType(kb.arg_bindings[2].type).shape
+        name = f"kiln_row_nibbles_{m}x{n}x{width * 2}"
+        emit_function(kb, name, _row_blocks_text(name, width * 2, n, has_offset=True, packed=True, m=m))
+
+
 def one_row_blocks(q, xs, w, ws, xsum=None, wo=None):
     """`one_row_blocks` of the matmul contract (models/quantize.py) as the block kernel."""
     return row_blocks(q, xs, w, ws) if wo is None else row_blocks_offset(q, xs, w, ws, xsum, wo)
@@ -352,7 +393,9 @@ def row_matmul_kernel(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | 
     return row_matmul(x, w) if one_row else x @ w.transpose(-1, -2)
 
 
-# A block weight times one row of input, whole (models/quantize.py's `one_row_blocks`), where
-# this CPU runs the block kernel.
+# A block weight times one row of input, whole (models/quantize.py's `one_row_blocks`, and
+# `rows_nibbles` for 4-bit values two a byte and any rows of input), where this CPU runs the
+# block kernels.
 if blocks_supported():
     row_matmul_kernel.one_row_blocks = one_row_blocks
+    row_matmul_kernel.rows_nibbles = row_nibbles

@@ -10,10 +10,12 @@ a float16 d (and dmin) with a 6- or 8-bit scale (and minimum) per block: Q4_K an
 (value = d * sc * q - dmin * mn), Q6_K (value = d * sc * (q - 32)). Here each block's scale is
 d * sc and its offset -dmin * mn, which float32 holds exactly (an 11-bit by 6-bit product).
 
-The values sit one per int8, so a 4-bit weight takes Q8_0's bytes (twice the file's) and runs
-through the same int8 matmul: on this CPU IREE's 4-bit kernel was no faster than its int8 one
-(benchmarks/NOTES.md). What `BlockWeight.dequantized` gives equals gguf-py's dequantization
-bit for bit: the same float32 arithmetic on the same values.
+The values sit one per int8 here, so a 4-bit weight takes Q8_0's bytes (twice the file's) and
+runs through the same int8 matmul: on this CPU IREE's 4-bit kernel was no faster than its int8
+one (benchmarks/NOTES.md). Where Kiln's own CPU kernel serves the one-token products, the 4-bit
+types are packed two a byte again (models/quantize.py's `pack_nibbles`). What
+`BlockWeight.dequantized` gives equals gguf-py's dequantization bit for bit: the same float32
+arithmetic on the same values.
 """
 
 from __future__ import annotations

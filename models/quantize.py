@@ -36,7 +36,12 @@ The narrow kernel is a function the model is given (`matmul`): eager torch runs
 `eager_weight_matmul`; the export passes an IREE custom op with the same arithmetic. A kernel
 may also offer `matmul.one_row_blocks(q [1, K], xs [G], w [N, K], ws [G, N], xsum [G], wo [G, N])`,
 a block weight times one quantized row of input whole (both scales, the offset term and the sum
-over the blocks in one call): a one-row product in blocks of 32 then goes there instead.
+over the blocks in one call): a one-row product in blocks of 32 then goes there instead. And
+`matmul.rows_nibbles(q [M, K], xs [M, G], w [N, K / 2], ws, xsum [M, G], wo)`, the same for M
+rows of input and 4-bit values stored two a byte (`pack_nibbles`): where the kernel offers it,
+the 4-bit types (NIBBLE_TYPES) keep their values that way and every one-token product (a decode
+step at any batch size) goes there, streaming half the bytes of int8 values. A prefill unpacks
+them as it widens them.
 """
 
 from __future__ import annotations
@@ -56,6 +61,9 @@ Q8_0_BLOCK = BLOCK  # input channels per Q8_0 block (ggml's QK8_0)
 # Block modes -> the GGUF type a weight not read from a file's blocks is quantized to. "gguf"
 # serves every block type the file holds as it is (a k-quant file's mix of Q4_K and Q6_K).
 BLOCK_MODES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "gguf": "Q8_0"}
+# The block types whose values fit in 4 bits, kept two a byte where the matmul takes them so. Q4_0's
+# values q - 8 are held as q with an offset of -8 d, so every packed value is unsigned.
+NIBBLE_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 # Float32 weights kept as they are, held here only so that their one-token matmuls go through
 # the model's `matmul` too (an export's hand-written CPU kernel); not a storage choice of its own.
 FLOAT32 = "f32"
@@ -101,6 +109,24 @@ def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(n, k), d.squeeze(-1).to(torch.float16).float().T.contiguous()
 
 
+def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """Values 0-15 [N, K] (K a multiple of BLOCK) two a byte, int8 [N, K / 2], as ggml lays out a
+    4-bit block: byte j of a block's 16 holds value j in its low nibble and value j + 16 in its
+    high one."""
+    n, k = values.shape
+    halves = values.to(torch.int16).view(n, k // BLOCK, 2, BLOCK // 2)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).to(torch.uint8).view(torch.int8).reshape(n, k // 2)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """`pack_nibbles` undone on the last dim: int8 [..., K / 2] -> values 0-15, int8 [..., K]. The
+    shift is masked after, so it is right whether the compiler shifts the sign in or not."""
+    *lead, half = packed.shape
+    blocks = packed.reshape(*lead, half // (BLOCK // 2), 1, BLOCK // 2)
+    values = torch.cat([blocks & 0x0F, (blocks >> 4) & 0x0F], dim=-2)
+    return values.reshape(*lead, half * 2)
+
+
 def activation_group(k: int) -> int:
     """Input channels per activation scale: ACTIVATION_GROUP where it divides K, else all K."""
     return ACTIVATION_GROUP if k % ACTIVATION_GROUP == 0 else k
@@ -123,10 +149,19 @@ def widened(weight: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tens
 
 
 def weight_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, matmul,
-                   offset: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., T, K] times a stored weight [N, K]^T (see `widened`): float32 [..., T, N]. T is 1
-    in a decode step (static); a dynamic or larger T is a prefill."""
+                   offset: torch.Tensor | None = None, packed: bool = False) -> torch.Tensor:
+    """x [..., T, K] times a stored weight [N, K]^T (see `widened`; [N, K / 2] when `packed`, two
+    4-bit values a byte): float32 [..., T, N]. T is 1 in a decode step (static); a dynamic or
+    larger T is a prefill."""
     one_token = isinstance(x.shape[-2], int) and x.shape[-2] == 1
+    if packed and one_token:
+        m = x.reshape(-1, x.shape[-1]).shape[0]
+        q, row_scale = quantize_rows(x.reshape(m, -1, BLOCK).float())  # [M, G, 32], [M, G, 1]
+        out = matmul.rows_nibbles(q.view(m, -1), row_scale.view(m, -1), weight, scale,
+                                  q.float().sum(dim=-1), offset)
+        return out.view(*x.shape[:-1], weight.shape[0])
+    if packed:  # many tokens: widened below
+        weight = unpack_nibbles(weight)
     if not one_token:
         return F.linear(x.float(), widened(weight, scale, offset))
     n, k = weight.shape
@@ -176,7 +211,8 @@ class QuantizedWeight(nn.Module):
     block modes, None for bf16 and FLOAT32; `offset` [K / block, N] for the types with a block minimum, else
     None. `stored`, a block mode's weight as a GGUF holds it (any block type), is taken as it
     is. A weight whose K is no multiple of 32 is stored as int8 in a block mode (llama.cpp falls
-    back to a wider type for such tensors too)."""
+    back to a wider type for such tensors too). `packed`: 4-bit values held two a byte
+    ([N, K / 2], always with an offset), where `matmul` has a one-token kernel for them."""
 
     def __init__(self, weight: torch.Tensor, mode: str, matmul=eager_weight_matmul,
                  stored: BlockWeight | None = None):
@@ -186,6 +222,7 @@ class QuantizedWeight(nn.Module):
         weight = weight.detach().float()
         blocks = mode in BLOCK_MODES and weight.shape[-1] % BLOCK == 0
         self.offset = None
+        self.packed = False
         if mode == FLOAT32:
             values, self.scale = weight, None
         elif mode == "bf16":
@@ -199,18 +236,27 @@ class QuantizedWeight(nn.Module):
             values, self.scale = torch.from_numpy(stored.values), _parameter(torch.from_numpy(stored.scales))
             if stored.offsets is not None:
                 self.offset = _parameter(torch.from_numpy(stored.offsets))
+            if (hasattr(matmul, "rows_nibbles") and stored.type_name in NIBBLE_TYPES
+                    and stored.block == BLOCK):
+                if self.offset is None:  # Q4_0: d * (q - 8) = d * q - 8 d, exact in float32
+                    values, self.offset = values + 8, _parameter(self.scale * -8.0)
+                values, self.packed = pack_nibbles(values), True
         else:
             values, row_scale = quantize_rows(weight)
             self.scale = _parameter(row_scale.view(-1))
         self.weight = _parameter(values)
         self.matmul = matmul
 
+    def values(self) -> torch.Tensor:
+        """The stored values one an element ([N, K]), unpacked where they are held two a byte."""
+        return unpack_nibbles(self.weight) if self.packed else self.weight
+
     def dequantized(self) -> torch.Tensor:
         """The float32 weight these bytes stand for."""
-        return widened(self.weight, self.scale, self.offset)
+        return widened(self.values(), self.scale, self.offset)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
-        return weight_product(x, self.weight, self.scale, self.matmul, self.offset)
+        return weight_product(x, self.weight, self.scale, self.matmul, self.offset, self.packed)
 
 
 class QuantizedLinear(QuantizedWeight):
@@ -234,8 +280,10 @@ class QuantizedEmbedding(QuantizedWeight):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.scale is not None and self.scale.dim() == 2:  # blocks: a scale per block of the row
-            n, k = self.weight.shape
-            rows = self.weight[tokens].float().view(*tokens.shape, self.scale.shape[0], -1)
+            rows = self.weight[tokens]
+            rows = (unpack_nibbles(rows) if self.packed else rows).float()
+            k = rows.shape[-1]
+            rows = rows.view(*tokens.shape, self.scale.shape[0], -1)
             rows = rows * self.scale.T[tokens].unsqueeze(-1)
             if self.offset is not None:
                 rows = rows + self.offset.T[tokens].unsqueeze(-1)
@@ -248,16 +296,21 @@ def stacked_linear(layers, x: torch.Tensor) -> torch.Tensor:
     """x through linear layers that share it, as one matmul over their weights concatenated
     (a compiler concatenates parameters once, at load time)."""
     bias = torch.cat([layer.bias for layer in layers]) if layers[0].bias is not None else None
-    weight = torch.cat([layer.weight for layer in layers])
     if not isinstance(layers[0], QuantizedLinear):
-        return F.linear(x, weight, bias)
+        return F.linear(x, torch.cat([layer.weight for layer in layers]), bias)
+    packed = [layer.packed for layer in layers]
+    if any(packed) and not all(packed):
+        # 4-bit values two a byte beside other blocks (a Q4_K q/k beside a Q6_K v): a product
+        # each, so that no values are unpacked to be stacked.
+        return torch.cat([layer(x) for layer in layers], dim=-1)
+    weight = torch.cat([layer.weight for layer in layers])
     # Row scales [N] and the block scales and offsets [K / block, N] all run along N.
     scale = None if layers[0].scale is None else torch.cat(_same_blocks([layer.scale for layer in layers]), dim=-1)
     offset = None
     if any(layer.offset is not None for layer in layers):  # a block type without offsets has zeros
         offset = torch.cat(_same_blocks([torch.zeros_like(layer.scale) if layer.offset is None else layer.offset
                                          for layer in layers]), dim=-1)
-    out = weight_product(x, weight, scale, layers[0].matmul, offset)
+    out = weight_product(x, weight, scale, layers[0].matmul, offset, all(packed))
     return out if bias is None else out + bias
 
 

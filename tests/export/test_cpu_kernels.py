@@ -37,10 +37,12 @@ def kernel_artifacts(tiny_hf_dir, tmp_path_factory):
                                [*TINY_EXPORT_ARGS, "--cpu-kernels"])
 
 
-@pytest.fixture(scope="module", params=["none", "bf16", "q8_0", "q4_1"])
+@pytest.fixture(scope="module", params=["none", "bf16", "q8_0", "q4_1", "gguf"])
 def kernel_export(request, tiny_hf_dir, tiny_checkpoint, tmp_path_factory):
-    """(weights, artifacts, eager model): the tiny model with float32 or bf16 weights, or its Q8_0
-    or Q4_1 GGUF as it comes, exported with the kernels, and the eager model of the same weights."""
+    """(weights, artifacts, eager model): the tiny model with float32 or bf16 weights, or its Q8_0,
+    (tied) Q4_1 or Q4_K_M-style GGUF as it comes, exported with the kernels, and the eager model
+    of the same weights, whose matmuls are IREE's custom ops run eagerly (4-bit values one a
+    byte). In the Q4_K_M mix, q/k's Q4_K (two a byte) sit beside v's Q6_K in one projection."""
     weights = request.param
     if weights == "none":
         artifacts = request.getfixturevalue("kernel_artifacts")
@@ -50,11 +52,24 @@ def kernel_export(request, tiny_hf_dir, tiny_checkpoint, tmp_path_factory):
         artifacts = _export_and_compile(tiny_hf_dir, tmp_path_factory.mktemp("tiny-cpu-kernels-bf16"),
                                         [*TINY_EXPORT_ARGS, "--quantize", "bf16", "--cpu-kernels"])
     else:
-        gguf = request.getfixturevalue(f"tiny_{weights}_gguf")
+        if weights == "q4_1":
+            # Laid out as the bundled SmolLM2: tied, so the output head is the Q8_0 embedding (the
+            # int8 block kernel) beside Q4_1 layers (the 4-bit kernel), both in one module.
+            from kiln.models.gguf_writer import write_gguf
+            from tests.tiny_model import make_tiny_checkpoint
+
+            gguf = write_gguf(make_tiny_checkpoint(seed=0, tie_word_embeddings=True),
+                              tmp_path_factory.mktemp("tiny-tied-q4_1") / "tiny-tied-q4_1.gguf", dtype="q4_1")
+        else:
+            gguf = request.getfixturevalue("tiny_k_quant_gguf" if weights == "gguf" else f"tiny_{weights}_gguf")
         artifacts = _export_and_compile(gguf, tmp_path_factory.mktemp(f"tiny-cpu-kernels-{weights}"),
                                         [*TINY_EXPORT_ARGS, "--cpu-kernels"])
         checkpoint = load_checkpoint(gguf)
-        return weights, artifacts, build_model(checkpoint, ExportOptions().validate(256, checkpoint.stored_quantization))
+        # The mix's q/k and v run as separate products with the kernels (its input quantized per
+        # 32 for q/k), as one stacked product without them (per 16 for all three): its reference
+        # is the model with the kernels' arithmetic, run eagerly.
+        options = ExportOptions(cpu_kernels=weights == "gguf").validate(256, checkpoint.stored_quantization)
+        return weights, artifacts, build_model(checkpoint, options)
     return weights, artifacts, build_model(tiny_checkpoint, ExportOptions(quantize=weights).validate(256))
 
 
@@ -117,21 +132,23 @@ def test_the_kernel_matches_numpy_with_row_and_channel_tails(tmp_path, k, n, ele
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
 
 
-def _compile_blocks_alone(directory, k: int, n: int, has_offset: bool):
+def _compile_blocks_alone(directory, k: int, n: int, has_offset: bool, packed: bool = False, m: int = 1):
     import iree.runtime as rt
 
-    name = f"kiln_row_blocks_{n}x{k}"
-    body = cpu_kernels._row_blocks_text(name, k, n, has_offset).strip()
+    name = f"kiln_row_nibbles_{m}x{n}x{k}" if packed else f"kiln_row_blocks_{n}x{k}"
+    body = cpu_kernels._row_blocks_text(name, k, n, has_offset, packed, m).strip()
     groups = k // 32
-    types = [f"tensor<1x{k}xi8>", f"tensor<{groups}xf32>", f"tensor<{n}x{k}xi8>", f"tensor<{groups}x{n}xf32>"]
+    width = k // 2 if packed else k
+    input_sums = f"tensor<{m}x{groups}xf32>" if packed else f"tensor<{groups}xf32>"
+    types = [f"tensor<{m}x{k}xi8>", input_sums, f"tensor<{n}x{width}xi8>", f"tensor<{groups}x{n}xf32>"]
     if has_offset:
-        types += [f"tensor<{groups}xf32>", f"tensor<{groups}x{n}xf32>"]
+        types += [input_sums, f"tensor<{groups}x{n}xf32>"]
     names = ["%q", "%xs", "%w", "%ws", "%xsum", "%wo"][: len(types)]
     arguments = ", ".join(f"{a}: {t}" for a, t in zip(names, types))
     (directory / "blocks.mlir").write_text(f"""{body[:-1]}
-util.func public @main({arguments}) -> tensor<1x{n}xf32> {{
-  %y = util.call @{name}({", ".join(names)}) : ({", ".join(types)}) -> tensor<1x{n}xf32>
-  util.return %y : tensor<1x{n}xf32>
+util.func public @main({arguments}) -> tensor<{m}x{n}xf32> {{
+  %y = util.call @{name}({", ".join(names)}) : ({", ".join(types)}) -> tensor<{m}x{n}xf32>
+  util.return %y : tensor<{m}x{n}xf32>
 }}
 }}""")
     cpu_kernels.build_object(directory)
@@ -166,14 +183,47 @@ def test_the_block_kernel_matches_its_eager_form(tmp_path, k, n, has_offset):
     assert relative_error(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("k,n,m", [(64, 37, 1), (96, 130, 3), (160, 72, 5), (1536, 576, 1), (1536, 576, 8)])
+def test_the_4_bit_kernel_matches_its_eager_form(tmp_path, k, n, m):
+    """Values two a byte for one input row (eight weight rows side by side) and several (four,
+    then what is left): two, three and five blocks (four at a time, then what is left), weight
+    rows not a multiple of the eight or four read together or of a workgroup's 64, every value
+    0-15 against every int8 input; the eager form unpacks them and takes the int8 kernel's
+    arithmetic row by row."""
+    import torch
+
+    from kiln.models.quantize import pack_nibbles
+
+    main = _compile_blocks_alone(tmp_path, k, n, has_offset=True, packed=True, m=m)
+    rng = np.random.default_rng(k * n + m)
+    groups = k // 32
+    q = rng.integers(-127, 128, (m, k)).astype(np.int8)
+    values = rng.integers(0, 16, (n, k)).astype(np.int8)
+    xs = rng.uniform(0.001, 0.02, (m, groups)).astype(np.float32)
+    ws = rng.uniform(0.001, 0.02, (groups, n)).astype(np.float32)
+    xsum = q.reshape(m, groups, 32).sum(axis=-1).astype(np.float32)
+    wo = rng.uniform(-0.1, 0.1, (groups, n)).astype(np.float32)
+    packed = pack_nibbles(torch.from_numpy(values)).numpy()
+    assert packed.shape == (n, k // 2)
+    got = np.asarray(main(q, xs, packed, ws, xsum, wo))
+    want = np.concatenate([cpu_kernels.eager_row_blocks(*(torch.from_numpy(a) for a in (
+        q[i:i + 1], xs[i], values, ws, xsum[i], wo))).numpy() for i in range(m)])
+    assert got.shape == (m, n)
+    assert relative_error(got, want) < 1e-5
+
+
 def test_every_function_matches_the_eager_model(kernel_export):
     """Prefill at batch 4 (IREE's matmuls), then decode at batch 1 (the kernels) and at batch 4
-    (IREE's again), and prefill_last's output head over one position (the kernels), against the
-    eager model with the same weights, whose one-row products take the per-block path. bf16
-    holds the bf16 tolerance of the quantized exports' tests (tests/export/test_quantized_export.py
-    says why); the block types are integer sums up to float32 scaling."""
+    (IREE's again; the 4-bit kernel for Q4_1's layers), and prefill_last's output head over one
+    position (the kernels), against the eager model with the same weights, whose one-row products
+    take the per-block path. bf16 holds the bf16 tolerance of the quantized exports' tests
+    (tests/export/test_quantized_export.py says why); the block types are integer sums up to
+    float32 scaling."""
     weights, artifacts, reference = kernel_export
     tolerance = 4e-3 if weights == "bf16" else 1e-4
+    mlir = (artifacts / "model.mlir").read_text()
+    if weights in ("q4_1", "gguf"):  # the 4-bit layers' kernel; Q4_1's head (Q8_0) the int8 one, in one module
+        assert "@row_nibbles" in mlir and ("@row_blocks" in mlir) == (weights == "q4_1")
     program = Program(Artifacts.in_directory(artifacts))
     rng = np.random.default_rng(3)
     prompts = [rng.integers(4, 384, n).tolist() for n in (9, 21)]

@@ -13,8 +13,7 @@ from kiln.export.options import ExportOptions
 from kiln.models.llama import PagedLlama
 from kiln.models.quantize import (
     ACTIVATION_GROUP, Q8_0_BLOCK, QuantizedEmbedding, QuantizedLinear, QuantizedWeight, eager_weight_matmul,
-    quantize_model,
-    quantize_q8_0, quantize_rows, stacked_linear,
+    pack_nibbles, quantize_model, quantize_q8_0, quantize_rows, stacked_linear, unpack_nibbles,
 )
 from kiln.models.sharded_llama import ShardedPagedLlama
 from kiln.runtime.device_layout import DeviceLayout
@@ -182,6 +181,67 @@ def test_a_k_quant_mix_is_served_each_weight_in_its_own_blocks():
         assert (got - exact).abs().max() < 0.02 * exact.abs().max()
         assert (want - exact).abs().max() < 0.02 * exact.abs().max()
     torch.testing.assert_close(stacked[..., 64:], separate[2], rtol=1e-5, atol=1e-5)  # Q6_K: per 16 either way
+
+
+def _with_nibble_kernel():
+    """eager_weight_matmul offering one-token products of 4-bit values two a byte: unpacked, the
+    block sums by hand (float64, exact), both scales and the offset term as the CPU kernel takes them."""
+
+    def matmul(*args):
+        return eager_weight_matmul(*args)
+
+    def rows_nibbles(q, xs, packed, ws, xsum, wo):  # q [M, K], xs and xsum [M, G]
+        values = unpack_nibbles(packed).double()
+        m, groups = xs.shape
+        sums = torch.einsum("mgk,ngk->mgn", q.view(m, groups, -1).double(), values.view(values.shape[0], groups, -1))
+        return ((sums.float() * ws + xsum.unsqueeze(-1) * wo) * xs.unsqueeze(-1)).sum(dim=1)
+
+    matmul.rows_nibbles = rows_nibbles
+    return matmul
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+def test_4_bit_values_are_kept_two_a_byte_as_the_file_holds_them_where_the_kernel_takes_them(qtype):
+    """The packed bytes are the file's own (ggml's layout), the weight they stand for is the same
+    bit for bit (Q4_0's q - 8 as q with an offset of -8 d), and every product matches the one over
+    values one a byte: one token of one row or three with the kernel, several tokens widened."""
+    from kiln.models.gguf_blocks import BLOCK_BYTES, read_blocks
+
+    raw = random_blocks(qtype, 24, 256, seed=4, scale=0.01)
+    blocks = read_blocks(raw, qtype, 24, 256)
+    packed = QuantizedLinear(nn.Linear(256, 24, bias=False), "gguf", _with_nibble_kernel(), blocks)
+    plain = QuantizedLinear(nn.Linear(256, 24, bias=False), "gguf", stored=blocks)
+    assert packed.packed and not plain.packed
+    assert packed.weight.shape == (24, 128) and packed.weight.dtype == torch.int8 and packed.offset is not None
+    values = torch.randint(0, 16, (5, 64), dtype=torch.int8)
+    assert (unpack_nibbles(pack_nibbles(values)) == values).all()
+    if qtype != "Q4_K":  # a 32-value block's last 16 bytes are its values (Q4_K's interleave blocks in pairs)
+        file_values = raw.view(np.uint8).reshape(24, 256 // 32, BLOCK_BYTES[qtype])[..., -16:].reshape(24, 128)
+        assert (packed.weight.numpy().view(np.uint8) == file_values).all()
+    assert (packed.dequantized() == plain.dequantized()).all()
+    torch.manual_seed(4)
+    for tokens in (1, 3):
+        x = torch.randn(2, tokens, 256) if tokens > 1 else torch.randn(1, 1, 256)
+        with torch.no_grad():
+            torch.testing.assert_close(packed(x), plain(x), rtol=1e-5, atol=1e-5)
+    rows = torch.randn(3, 1, 256)  # a decode step of three rows
+    with torch.no_grad():
+        torch.testing.assert_close(packed(rows), plain(rows), rtol=1e-5, atol=1e-5)
+
+
+def test_stacked_layers_of_values_two_a_byte_stack_them_and_beside_other_blocks_run_alone():
+    torch.manual_seed(5)
+    kernel = _with_nibble_kernel()
+    q4 = [QuantizedLinear(nn.Linear(64, n, bias=True), "q4_1", kernel) for n in (48, 16)]
+    q8 = QuantizedLinear(nn.Linear(64, 16, bias=True), "q8_0", kernel)
+    assert [layer.packed for layer in (*q4, q8)] == [True, True, False]
+    for tokens in (1, 5):
+        x = torch.randn(2, tokens, 64)
+        with torch.no_grad():
+            for layers in (q4, [*q4, q8]):
+                stacked = stacked_linear(layers, x)
+                separate = torch.cat([layer(x) for layer in layers], dim=-1)
+                torch.testing.assert_close(stacked, separate, rtol=1e-5, atol=1e-5)
 
 
 def test_gguf_mode_needs_a_file_of_blocks():
