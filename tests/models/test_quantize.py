@@ -229,6 +229,23 @@ def test_4_bit_values_are_kept_two_a_byte_as_the_file_holds_them_where_the_kerne
         torch.testing.assert_close(packed(rows), plain(rows), rtol=1e-5, atol=1e-5)
 
 
+def test_a_4_bit_embedding_two_a_byte_looks_up_and_projects_as_one_a_byte():
+    """A tied embedding in Q4_0 (a file whose embedding is 4-bit): its rows are unpacked where
+    looked up, and as the output head it takes the kernel at one token and widens at several."""
+    from kiln.models.gguf_blocks import read_blocks
+
+    blocks = read_blocks(random_blocks("Q4_0", 50, 64, seed=6, scale=0.01), "Q4_0", 50, 64)
+    packed = QuantizedEmbedding(nn.Embedding(50, 64), "q4_0", _with_nibble_kernel(), blocks)
+    plain = QuantizedEmbedding(nn.Embedding(50, 64), "q4_0", stored=blocks)
+    assert packed.packed and packed.weight.shape == (50, 32)
+    tokens = torch.tensor([[3, 49, 0]])
+    torch.manual_seed(6)
+    with torch.no_grad():
+        assert (packed(tokens) == plain(tokens)).all()
+        for h in (torch.randn(1, 1, 64), torch.randn(1, 3, 64)):
+            torch.testing.assert_close(packed.project(h), plain.project(h), rtol=1e-5, atol=1e-5)
+
+
 def test_stacked_layers_of_values_two_a_byte_stack_them_and_beside_other_blocks_run_alone():
     torch.manual_seed(5)
     kernel = _with_nibble_kernel()
