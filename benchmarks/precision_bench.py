@@ -34,11 +34,11 @@ from benchmarks.peers.common import heavy_lock, log
 RESULTS_DIR = Path(__file__).parent / "results"
 # Each precision's `--quantize` on the bundled Q4_1 file (q4_1 serves its own blocks), and whether
 # its one-token matmuls run Kiln's hand-written CPU kernels, as `kiln serve` builds it on a CPU
-# that runs them (export/cpu_kernels.py: float32, bf16 and the block types). The "-iree" rows are the same
-# weights with IREE's own kernels throughout, to measure what the hand-written ones change.
-PRECISIONS = {"f32": ("none", True), "bf16w": ("bf16", True), "int8": ("int8", False), "q8_0": ("q8_0", True),
+# that runs them (export/cpu_kernels.py: float32, bf16, int8 and the block types). The "-iree" rows are
+# the same weights with IREE's own kernels throughout, to measure what the hand-written ones change.
+PRECISIONS = {"f32": ("none", True), "bf16w": ("bf16", True), "int8": ("int8", True), "q8_0": ("q8_0", True),
               "q4_1": ("q4_1", True), "f32-iree": ("none", False), "bf16w-iree": ("bf16", False),
-              "q8_0-iree": ("q8_0", False), "q4_1-iree": ("q4_1", False)}
+              "int8-iree": ("int8", False), "q8_0-iree": ("q8_0", False), "q4_1-iree": ("q4_1", False)}
 DEFAULT_PRECISIONS = ("f32", "bf16w", "int8", "q8_0", "q4_1")
 CONTEXT, PREFILL_TOKENS, PAGES, GENERATED = 128, 512, 160, 128
 DECODE_BATCHES = (1, 8)
@@ -47,7 +47,8 @@ DECODE_BATCHES = (1, 8)
 # blocks are those of llama.cpp's file: both quantize the same float32 weights by ggml's rule.
 # Q4_1 is the bundled file, as both engines run it.
 LLAMA_CPP_TYPES = {"f32": "f32", "bf16w": "bf16", "int8": "q8_0", "q8_0": "q8_0", "q4_1": "q4_1",
-                   "f32-iree": "f32", "bf16w-iree": "bf16", "q8_0-iree": "q8_0", "q4_1-iree": "q4_1"}
+                   "f32-iree": "f32", "bf16w-iree": "bf16", "int8-iree": "q8_0", "q8_0-iree": "q8_0",
+                   "q4_1-iree": "q4_1"}
 
 
 def build(quantize: str, cpu_kernels: bool = False) -> Path:

@@ -138,9 +138,13 @@ void kiln_row_matmul_bf16(MEMREF_BF16(x), MEMREF_BF16(w), float *y_allocated, fl
  *   y[n] = sum_g xs[g] * (isum(g, n) * ws[g][n] + xsum[g] * wo[g][n])
  *
  * where isum(g, n) is block g's int8 dot product, xs the input's block scales and xsum its
- * blocks' sums of quantized values (the offset term only when has_offset). Both scales apply
- * inside the loop, so no per-block partial sums are written out. The int8 x int8 products run
- * as AVX512-VNNI's unsigned x signed dot products: |x| times w with x's sign moved onto w. */
+ * blocks' sums of quantized values (the offset term only when `flags` has Q8_OFFSETS). With
+ * Q8_ROW_SCALES, ws holds one scale per row ([N], int8 with row scales) that every block of the
+ * row takes. Both scales apply inside the loop, so no per-block partial sums are written out.
+ * The int8 x int8 products run as AVX512-VNNI's unsigned x signed dot products: |x| times w with
+ * x's sign moved onto w. */
+enum { Q8_OFFSETS = 1, Q8_ROW_SCALES = 2 };
+
 #define MEMREF_I8(name) \
   const int8_t *name##_allocated, const int8_t *restrict name, size_t name##_offset, size_t name##_size, \
   size_t name##_stride
@@ -165,9 +169,12 @@ void kiln_row_matmul_bf16(MEMREF_BF16(x), MEMREF_BF16(w), float *y_allocated, fl
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 void kiln_row_matmul_q8(MEMREF_I8(q), MEMREF_F32(xs), MEMREF_F32(xsum), MEMREF_I8(w), MEMREF_F32(ws),
                         MEMREF_F32(wo), float *y_allocated, float *restrict y, size_t y_offset, size_t y_size,
-                        size_t y_stride, size_t n_dim, size_t k_dim, size_t has_offset, size_t row0, size_t rows) {
+                        size_t y_stride, size_t n_dim, size_t k_dim, size_t flags, size_t row0, size_t rows) {
   BLOCK_OPERANDS_AT_OFFSETS();
   const size_t groups = k_dim / 32;
+  const int has_offset = (flags & Q8_OFFSETS) != 0;
+  /* Block g's scales start at ws + g * scale_stride: the same [N] for every block with row scales. */
+  const size_t scale_stride = flags & Q8_ROW_SCALES ? 0 : n_dim;
   size_t end = row0 + rows < n_dim ? row0 + rows : n_dim;
   const __m512i zero = _mm512_setzero_si512();
   /* Lane i of row j's scale vector: lanes 0-7 take block g's scale (sab lane j), 8-15 block g+1's
@@ -187,8 +194,9 @@ void kiln_row_matmul_q8(MEMREF_I8(q), MEMREF_F32(xs), MEMREF_F32(xsum), MEMREF_I
       __m512i xv = _mm512_maskz_loadu_epi8(bytes, q + g * 32);
       __m512i magnitude = _mm512_abs_epi8(xv);
       __mmask64 negative = _mm512_movepi8_mask(xv);
-      __m128 sa = _mm_mul_ps(_mm_set1_ps(xs[g]), _mm_loadu_ps(ws + g * n_dim + r));
-      __m128 sb = pair ? _mm_mul_ps(_mm_set1_ps(xs[g + 1]), _mm_loadu_ps(ws + (g + 1) * n_dim + r)) : _mm_setzero_ps();
+      __m128 sa = _mm_mul_ps(_mm_set1_ps(xs[g]), _mm_loadu_ps(ws + g * scale_stride + r));
+      __m128 sb = pair ? _mm_mul_ps(_mm_set1_ps(xs[g + 1]), _mm_loadu_ps(ws + (g + 1) * scale_stride + r))
+                       : _mm_setzero_ps();
       __m512 sab = _mm512_castps256_ps512(_mm256_set_m128(sb, sa));
       for (int j = 0; j < 4; ++j) {
         _mm_prefetch((const char *)(w + (r + Q8_PREFETCH_ROWS + j) * k_dim + g * 32), _MM_HINT_T0);
@@ -212,7 +220,7 @@ void kiln_row_matmul_q8(MEMREF_I8(q), MEMREF_F32(xs), MEMREF_F32(xsum), MEMREF_I
     for (size_t g = 0; g < groups; ++g) {
       int32_t dot = 0;
       for (size_t i = 0; i < 32; ++i) dot += (int32_t)q[g * 32 + i] * (int32_t)w[r * k_dim + g * 32 + i];
-      float block = (float)dot * ws[g * n_dim + r];
+      float block = (float)dot * ws[g * scale_stride + r];
       if (has_offset) block += xsum[g] * wo[g * n_dim + r];
       sum += xs[g] * block;
     }

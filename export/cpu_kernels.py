@@ -7,9 +7,9 @@ rows for 4-bit blocks stored two values a byte (Q4_0, Q4_1, Q4_K), that read sev
 side by side with a prefetch ahead of them. The export compiles them with the system's C
 compiler into an object file beside the MLIR, and each weight matmul of those kinds becomes a
 dispatch of one: a `stream.executable` whose function calls the object's symbol, which IREE
-links into its embedded ELF (IREE's "custom dispatch" mechanism). Every other matmul (prefill,
-decode at several rows but for the 4-bit blocks, int8 with row scales, the block types of 16)
-keeps IREE's code.
+links into its embedded ELF (IREE's "custom dispatch" mechanism); the int8 block kernel also takes
+int8 weights with a scale per row, each block taking its row's. Every other matmul (prefill,
+decode at several rows but for the 4-bit blocks, the block types of 16) keeps IREE's code.
 What they measured against IREE's kernels: benchmarks/NOTES.md, "Hand-written one-row matmuls".
 
 The object is built for the machine that exports (x86-64 with AVX-512; the bfloat16 and block
@@ -209,11 +209,13 @@ class row_matmul(CustomOp):
         emit_function(kb, name, _row_matmul_text(name, k, n, element))
 
 
-def _row_blocks_text(name: str, k: int, n: int, has_offset: bool, packed: bool = False, m: int = 1) -> str:
+def _row_blocks_text(name: str, k: int, n: int, has_offset: bool, packed: bool = False, m: int = 1,
+                     row_scales: bool = False) -> str:
     """A module holding the block kernel's executable and `name`, which dispatches it on the
     quantized input (q [1, K] int8, its block scales xs [G] and, with offsets, its block sums
     xsum [G]) and a block weight (w [N, K] int8, scales ws [G, N], offsets wo [G, N]) for
     y [1, N] in float32. Without offsets, xs and ws stand in for the unread xsum and wo.
+    `row_scales`: an int8 weight with a scale per row (ws [N]) that every block takes.
     `packed`: the 4-bit kernel, w holding values two a byte ([N, K / 2]) with offsets, for `m`
     input rows (q [M, K], xs and xsum [M, G], y [M, N]). The executable reads every size from its
     operands, so those of all shapes are one and the same (IREE merges them; executables of one
@@ -221,7 +223,8 @@ def _row_blocks_text(name: str, k: int, n: int, has_offset: bool, packed: bool =
     groups, width = k // BLOCK, k // 2 if packed else k
     i8, f32 = "memref<?xi8>", "memref<?xf32>"
     input_sums = ((m, groups) if packed else (groups,), "f32")
-    operands = [("q", (m, k), "i8"), ("xs", *input_sums), ("w", (n, width), "i8"), ("ws", (groups, n), "f32")]
+    scales = (n,) if row_scales else (groups, n)
+    operands = [("q", (m, k), "i8"), ("xs", *input_sums), ("w", (n, width), "i8"), ("ws", scales, "f32")]
     if has_offset:
         operands += [("xsum", *input_sums), ("wo", (groups, n), "f32")]
     tensor = {a: f"tensor<{'x'.join(map(str, dims))}x{element}>" for a, dims, element in operands}
@@ -232,15 +235,24 @@ def _row_blocks_text(name: str, k: int, n: int, has_offset: bool, packed: bool =
                             f"tensor<{dims[0] * dims[1]}x{element}>" for a, dims, element in operands if len(dims) == 2)
     if not has_offset:
         flat["xsum"], flat["wo"] = flat["xs"], flat["ws"]
-    # The third size operand: whether the int8 kernel adds offsets, or how many input rows the
-    # 4-bit one (which always adds them) takes.
-    symbol, third = ("kiln_row_matmul_q4", m) if packed else ("kiln_row_matmul_q8", int(has_offset))
+    # The third size operand: the int8 kernel's flags (Q8_OFFSETS 1, Q8_ROW_SCALES 2 in
+    # cpu_kernels.c), or how many input rows the 4-bit one (which always adds offsets) takes.
+    symbol, third = ("kiln_row_matmul_q4", m) if packed else ("kiln_row_matmul_q8", int(has_offset) | 2 * row_scales)
     export = "row_nibbles" if packed else "row_blocks"  # one name per body: IREE links them all into one
     w_size = "%nk_packed" if packed else "%nk"
     # The 4-bit kernel's row count is an operand, so that one body serves every shape.
     m_line = "%m = arith.addi %third, %c0 : index" if packed else "%m = arith.constant 1 : index"
+    # The scale (and offset) tables' length: [G, N], or [N] where the int8 kernel's flags say row
+    # scales (its offsets, when it has any, are [G, N] as its scales are; without, wo is ws).
+    ws_size = ("%ws_size = arith.muli %groups, %n : index" if packed else
+               """%scale_flag = arith.andi %third, %c2 : index
+      %per_row = arith.cmpi ne, %scale_flag, %c0 : index
+      %c1 = arith.constant 1 : index
+      %scale_rows = arith.select %per_row, %c1, %groups : index
+      %ws_size = arith.muli %scale_rows, %n : index""")
+    ws_elements = n if row_scales else groups * n
     flat_types = (f"tensor<{m * k}xi8>, tensor<{m * groups}xf32>, tensor<{m * groups}xf32>, tensor<{n * width}xi8>, "
-                  f"tensor<{groups * n}xf32>, tensor<{groups * n}xf32>")
+                  f"tensor<{ws_elements}xf32>, tensor<{ws_elements}xf32>")
     return f"""module {{
 {_executable_header(name, export)}
   builtin.module {{
@@ -262,13 +274,13 @@ def _row_blocks_text(name: str, k: int, n: int, has_offset: bool, packed: bool =
       %mn = arith.muli %m, %n : index
       %nk = arith.muli %n, %k : index
       %nk_packed = arith.divui %nk, %c2 : index
-      %gn = arith.muli %groups, %n : index
+      {ws_size}
       %q = stream.binding.subspan %q_binding[%c0] : !stream.binding -> {i8}{{%mk}}
       %xs = stream.binding.subspan %xs_binding[%c0] : !stream.binding -> {f32}{{%mg}}
       %xsum = stream.binding.subspan %xsum_binding[%c0] : !stream.binding -> {f32}{{%mg}}
       %w = stream.binding.subspan %w_binding[%c0] : !stream.binding -> {i8}{{{w_size}}}
-      %ws = stream.binding.subspan %ws_binding[%c0] : !stream.binding -> {f32}{{%gn}}
-      %wo = stream.binding.subspan %wo_binding[%c0] : !stream.binding -> {f32}{{%gn}}
+      %ws = stream.binding.subspan %ws_binding[%c0] : !stream.binding -> {f32}{{%ws_size}}
+      %wo = stream.binding.subspan %wo_binding[%c0] : !stream.binding -> {f32}{{%ws_size}}
       %y = stream.binding.subspan %y_binding[%c0] : !stream.binding -> {f32}{{%mn}}
       func.call @{symbol}(%q, %xs, %xsum, %w, %ws, %wo, %y, %n, %k, %third, %row0, %rows)
           : ({i8}, {f32}, {f32}, {i8}, {f32}, {f32}, {f32}, index, index, index, index, index) -> ()
@@ -297,6 +309,9 @@ def _check_row_blocks(ksel: KernelSelection, count: int, packed: bool = False):
     width = q.t.shape[1] // 2 if packed else q.t.shape[1]
     torch._check(w.t.shape[1] == width and q.t.shape[1] % BLOCK == 0,
                  lambda: f"row_blocks: K a multiple of {BLOCK}, the same in q and w")
+    groups, n = q.t.shape[1] // BLOCK, w.t.shape[0]
+    torch._check(tuple(ws.t.shape) in ((groups, n), (n,)) and (packed or q.t.dim() == 2),
+                 lambda: "row_blocks: block scales ws [G, N] (or row scales ws [N])")
     floats = [arg for index, arg in enumerate(args) if index not in (0, 2)]
     torch._check(all(a.t.dtype == torch.float32 for a in floats), lambda: "row_blocks: float32 scales and sums")
     for arg in args:
@@ -305,8 +320,9 @@ def _check_row_blocks(ksel: KernelSelection, count: int, packed: bool = False):
 
 
 def eager_row_blocks(q, xs, w, ws, xsum=None, wo=None):
-    """The block kernel's arithmetic in torch: block g's int8 sum times ws[g], plus xsum[g] times
-    wo[g], times xs[g], summed over the blocks."""
+    """The block kernel's arithmetic in torch: block g's int8 sum times ws[g] (ws [G, N]; or the
+    row scales ws [N] for every block), plus xsum[g] times wo[g], times xs[g], summed over the
+    blocks."""
     groups = q.shape[1] // BLOCK
     sums = (q.view(groups, 1, BLOCK).double() @ w.view(-1, groups, BLOCK).permute(1, 2, 0).double()).float()
     blocks = sums[:, 0, :] * ws  # [G, N]
@@ -317,8 +333,9 @@ def eager_row_blocks(q, xs, w, ws, xsum=None, wo=None):
 
 @CustomOp.register(library=KILN_LIBRARY)
 class row_blocks(CustomOp):
-    """A block-quantized weight (w [N, K] int8, ws [G, N]) times one int8 row in blocks of 32
-    (q [1, K], xs [G]): float32 [1, N], through the hand-written kernel."""
+    """A block-quantized weight (w [N, K] int8, ws [G, N]), or an int8 one with row scales
+    (ws [N]), times one int8 row in blocks of 32 (q [1, K], xs [G]): float32 [1, N], through the
+    hand-written kernel."""
 
     signature = "row_blocks(Tensor q, Tensor xs, Tensor w, Tensor ws) -> Tensor"
 
@@ -330,8 +347,9 @@ class row_blocks(CustomOp):
 
     def generate(self, ksel: KernelSelection, kb: KernelBuilder):
         n, k = ir.RankedTensorType(kb.arg_bindings[2].type).shape
-        name = f"kiln_row_blocks_{n}x{k}"
-        emit_function(kb, name, _row_blocks_text(name, k, n, has_offset=False))
+        row_scales = ir.RankedTensorType(kb.arg_bindings[3].type).rank == 1
+        name = f"kiln_row_blocks_{'row_scales_' if row_scales else ''}{n}x{k}"
+        emit_function(kb, name, _row_blocks_text(name, k, n, has_offset=False, row_scales=row_scales))
 
 
 @CustomOp.register(library=KILN_LIBRARY)

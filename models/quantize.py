@@ -36,7 +36,8 @@ The narrow kernel is a function the model is given (`matmul`): eager torch runs
 `eager_weight_matmul`; the export passes an IREE custom op with the same arithmetic. A kernel
 may also offer `matmul.one_row_blocks(q [1, K], xs [G], w [N, K], ws [G, N], xsum [G], wo [G, N])`,
 a block weight times one quantized row of input whole (both scales, the offset term and the sum
-over the blocks in one call): a one-row product in blocks of 32 then goes there instead. And
+over the blocks in one call): a one-row product in blocks of 32 then goes there instead, and so
+does an int8 one with row scales (ws [N], its input quantized per 32 rather than per group). And
 `matmul.rows_nibbles(q [M, K], xs [M, G], w [N, K / 2], ws, xsum [M, G], wo)`, the same for M
 rows of input and 4-bit values stored two a byte (`pack_nibbles`): where the kernel offers it,
 the 4-bit types (NIBBLE_TYPES) keep their values that way and every one-token product (a decode
@@ -148,57 +149,64 @@ def widened(weight: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tens
     return blocks.view(n, k)
 
 
+def _blocks_of_input(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """rows [M, K] quantized to int8 per block of 32 as the block kernels take them: values
+    [M, K], block scales [M, G] and the blocks' sums of quantized values [M, G] (float32)."""
+    m, k = rows.shape
+    q, scale = quantize_rows(rows.float().view(m, k // BLOCK, BLOCK))  # [M, G, 32], [M, G, 1]
+    return q.view(m, k), scale.view(m, -1), q.float().sum(dim=-1)
+
+
 def weight_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, matmul,
                    offset: torch.Tensor | None = None, packed: bool = False) -> torch.Tensor:
     """x [..., T, K] times a stored weight [N, K]^T (see `widened`; [N, K / 2] when `packed`, two
     4-bit values a byte): float32 [..., T, N]. T is 1 in a decode step (static); a dynamic or
     larger T is a prefill."""
     one_token = isinstance(x.shape[-2], int) and x.shape[-2] == 1
+    n, k = weight.shape[0], x.shape[-1]
     if packed and one_token:
-        m = x.reshape(-1, x.shape[-1]).shape[0]
-        q, row_scale = quantize_rows(x.reshape(m, -1, BLOCK).float())  # [M, G, 32], [M, G, 1]
-        out = matmul.rows_nibbles(q.view(m, -1), row_scale.view(m, -1), weight, scale,
-                                  q.float().sum(dim=-1), offset)
-        return out.view(*x.shape[:-1], weight.shape[0])
+        q, row_scale, x_sum = _blocks_of_input(x.reshape(-1, k))
+        out = matmul.rows_nibbles(q, row_scale, weight, scale, x_sum, offset)
+        return out.view(*x.shape[:-1], n)
     if packed:  # many tokens: widened below
         weight = unpack_nibbles(weight)
     if not one_token:
         return F.linear(x.float(), widened(weight, scale, offset))
-    n, k = weight.shape
     rows = x.reshape(-1, k)
     if weight.dtype in (torch.bfloat16, torch.float32):
-        out = matmul(rows.to(weight.dtype), weight)
+        return matmul(rows.to(weight.dtype), weight).view(*x.shape[:-1], n)
+    blocks = scale.dim() == 2
+    group = k // scale.shape[0] if blocks else activation_group(k)
+    whole = getattr(matmul, "one_row_blocks", None)
+    # One row whole through the block kernel: blocks of 32, or int8 with row scales (every block
+    # of a row takes the row's scale; its input quantized per 32 rather than per group).
+    if whole is not None and rows.shape[0] == 1 and (group == BLOCK if blocks else k % BLOCK == 0):
+        q, row_scale, x_sum = _blocks_of_input(rows)
+        out = whole(q, row_scale.view(-1), weight, scale, None if offset is None else x_sum.view(-1), offset)
+        return out.view(*x.shape[:-1], n)
+    q, row_scale = quantize_rows(rows.float().view(-1, k // group, group))  # [M, G, g], [M, G, 1]
+    q, w = q.transpose(0, 1), weight.view(n, k // group, group).transpose(0, 1)  # [G, M, g], [G, N, g]
+    if blocks and offset is not None:
+        # Each block's input sum times its offset, from the quantized input as llama.cpp's
+        # Q4_1 dot product takes it: the product is then the dequantized weight's with the
+        # dequantized input. The float input's sum would leave the quantization error of
+        # the d * q part uncancelled by the offset's, and Q4_1's values are all >= 0: that
+        # moved a tiny model's logits 2.7% where this moves them 1.3%. Added in the matmul's
+        # own call, as the scale is, rather than as a separate [M, G] x [G, N] product (the
+        # two measured within noise of each other; benchmarks/NOTES.md).
+        x_sum = q.float().sum(dim=-1, keepdim=True)  # [G, M, 1]
+        sums = matmul(q, w, scale.unsqueeze(1), x_sum, offset.unsqueeze(1))
+    elif blocks:
+        # Each block's sum takes its weight scale in the matmul's own call, so what is
+        # left is the int8 form's sum over blocks: with both scales in one expression
+        # over the block axis, IREE 3.13's CPU code for it took 95-125 us per weight
+        # matmul, about 20x the int8 form's sum (benchmarks/NOTES.md).
+        sums = matmul(q, w, scale.unsqueeze(1))  # [G, M, N], block scales [G, 1, N] applied
     else:
-        blocks = scale.dim() == 2
-        group = k // scale.shape[0] if blocks else activation_group(k)
-        q, row_scale = quantize_rows(rows.float().view(-1, k // group, group))  # [M, G, g], [M, G, 1]
-        whole = getattr(matmul, "one_row_blocks", None)
-        if whole is not None and blocks and group == BLOCK and rows.shape[0] == 1:
-            x_sum = None if offset is None else q.float().sum(dim=-1).view(-1)
-            out = whole(q.view(1, k), row_scale.view(-1), weight, scale, x_sum, offset)
-            return out.view(*x.shape[:-1], n)
-        q, w = q.transpose(0, 1), weight.view(n, k // group, group).transpose(0, 1)  # [G, M, g], [G, N, g]
-        if blocks and offset is not None:
-            # Each block's input sum times its offset, from the quantized input as llama.cpp's
-            # Q4_1 dot product takes it: the product is then the dequantized weight's with the
-            # dequantized input. The float input's sum would leave the quantization error of
-            # the d * q part uncancelled by the offset's, and Q4_1's values are all >= 0: that
-            # moved a tiny model's logits 2.7% where this moves them 1.3%. Added in the matmul's
-            # own call, as the scale is, rather than as a separate [M, G] x [G, N] product (the
-            # two measured within noise of each other; benchmarks/NOTES.md).
-            x_sum = q.float().sum(dim=-1, keepdim=True)  # [G, M, 1]
-            sums = matmul(q, w, scale.unsqueeze(1), x_sum, offset.unsqueeze(1))
-        elif blocks:
-            # Each block's sum takes its weight scale in the matmul's own call, so what is
-            # left is the int8 form's sum over blocks: with both scales in one expression
-            # over the block axis, IREE 3.13's CPU code for it took 95-125 us per weight
-            # matmul, about 20x the int8 form's sum (benchmarks/NOTES.md).
-            sums = matmul(q, w, scale.unsqueeze(1))  # [G, M, N], block scales [G, 1, N] applied
-        else:
-            sums = matmul(q, w).float()  # [G, M, N]
-        out = (sums * row_scale.permute(1, 0, 2)).sum(dim=0)
-        if not blocks:
-            out = out * scale
+        sums = matmul(q, w).float()  # [G, M, N]
+    out = (sums * row_scale.permute(1, 0, 2)).sum(dim=0)
+    if not blocks:
+        out = out * scale
     return out.view(*x.shape[:-1], n)
 
 

@@ -37,20 +37,21 @@ def kernel_artifacts(tiny_hf_dir, tmp_path_factory):
                                [*TINY_EXPORT_ARGS, "--cpu-kernels"])
 
 
-@pytest.fixture(scope="module", params=["none", "bf16", "q8_0", "q4_1", "gguf"])
+@pytest.fixture(scope="module", params=["none", "bf16", "int8", "q8_0", "q4_1", "gguf"])
 def kernel_export(request, tiny_hf_dir, tiny_checkpoint, tmp_path_factory):
-    """(weights, artifacts, eager model): the tiny model with float32 or bf16 weights, or its Q8_0,
-    (tied) Q4_1 or Q4_K_M-style GGUF as it comes, exported with the kernels, and the eager model
-    of the same weights, whose matmuls are IREE's custom ops run eagerly (4-bit values one a
-    byte). In the Q4_K_M mix, q/k's Q4_K (two a byte) sit beside v's Q6_K in one projection."""
+    """(weights, artifacts, eager model): the tiny model with float32, bf16 or int8 (row scales)
+    weights, or its Q8_0, (tied) Q4_1 or Q4_K_M-style GGUF as it comes, exported with the
+    kernels, and the eager model of the same weights, whose matmuls are IREE's custom ops run
+    eagerly (4-bit values one a byte). In the Q4_K_M mix, q/k's Q4_K (two a byte) sit beside v's
+    Q6_K in one projection."""
     weights = request.param
     if weights == "none":
         artifacts = request.getfixturevalue("kernel_artifacts")
-    elif weights == "bf16":
-        if not cpu_kernels.bf16_supported():
-            pytest.skip("this CPU has no AVX512-BF16")
-        artifacts = _export_and_compile(tiny_hf_dir, tmp_path_factory.mktemp("tiny-cpu-kernels-bf16"),
-                                        [*TINY_EXPORT_ARGS, "--quantize", "bf16", "--cpu-kernels"])
+    elif weights in ("bf16", "int8"):
+        if not (cpu_kernels.bf16_supported() if weights == "bf16" else cpu_kernels.blocks_supported()):
+            pytest.skip(f"this CPU has no kernel for {weights} weights")
+        artifacts = _export_and_compile(tiny_hf_dir, tmp_path_factory.mktemp(f"tiny-cpu-kernels-{weights}"),
+                                        [*TINY_EXPORT_ARGS, "--quantize", weights, "--cpu-kernels"])
     else:
         if weights == "q4_1":
             # Laid out as the bundled SmolLM2: tied, so the output head is the Q8_0 embedding (the
@@ -70,7 +71,10 @@ def kernel_export(request, tiny_hf_dir, tiny_checkpoint, tmp_path_factory):
         # is the model with the kernels' arithmetic, run eagerly.
         options = ExportOptions(cpu_kernels=weights == "gguf").validate(256, checkpoint.stored_quantization)
         return weights, artifacts, build_model(checkpoint, options)
-    return weights, artifacts, build_model(tiny_checkpoint, ExportOptions(quantize=weights).validate(256))
+    # int8's one-row products quantize their input per 32 with the kernels (per 64 without): its
+    # reference runs the kernels' arithmetic too.
+    options = ExportOptions(quantize=weights, cpu_kernels=weights == "int8")
+    return weights, artifacts, build_model(tiny_checkpoint, options.validate(256))
 
 
 def _compile_kernel_alone(directory, k: int, n: int, element: str):
@@ -132,15 +136,17 @@ def test_the_kernel_matches_numpy_with_row_and_channel_tails(tmp_path, k, n, ele
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
 
 
-def _compile_blocks_alone(directory, k: int, n: int, has_offset: bool, packed: bool = False, m: int = 1):
+def _compile_blocks_alone(directory, k: int, n: int, has_offset: bool, packed: bool = False, m: int = 1,
+                          row_scales: bool = False):
     import iree.runtime as rt
 
     name = f"kiln_row_nibbles_{m}x{n}x{k}" if packed else f"kiln_row_blocks_{n}x{k}"
-    body = cpu_kernels._row_blocks_text(name, k, n, has_offset, packed, m).strip()
+    body = cpu_kernels._row_blocks_text(name, k, n, has_offset, packed, m, row_scales).strip()
     groups = k // 32
     width = k // 2 if packed else k
     input_sums = f"tensor<{m}x{groups}xf32>" if packed else f"tensor<{groups}xf32>"
-    types = [f"tensor<{m}x{k}xi8>", input_sums, f"tensor<{n}x{width}xi8>", f"tensor<{groups}x{n}xf32>"]
+    scales = f"tensor<{n}xf32>" if row_scales else f"tensor<{groups}x{n}xf32>"
+    types = [f"tensor<{m}x{k}xi8>", input_sums, f"tensor<{n}x{width}xi8>", scales]
     if has_offset:
         types += [input_sums, f"tensor<{groups}x{n}xf32>"]
     names = ["%q", "%xs", "%w", "%ws", "%xsum", "%wo"][: len(types)]
@@ -160,20 +166,23 @@ util.func public @main({arguments}) -> tensor<{m}x{n}xf32> {{
     return context.modules.module.main
 
 
-@pytest.mark.parametrize("has_offset", [False, True])
+@pytest.mark.parametrize("scales", ["blocks", "offsets", "rows"])
 @pytest.mark.parametrize("k,n", [(64, 37), (96, 130), (1536, 576)])
-def test_the_block_kernel_matches_its_eager_form(tmp_path, k, n, has_offset):
+def test_the_block_kernel_matches_its_eager_form(tmp_path, k, n, scales):
     """An odd number of blocks (96: three, the last one alone), rows not a multiple of 4 or of
-    64, int8 values over their whole range and negative inputs (the sign moved onto w)."""
+    64, int8 values over their whole range and negative inputs (the sign moved onto w); scales
+    per block, per block with offsets, or per row (int8 with row scales, every block taking its
+    row's)."""
     import torch
 
-    main = _compile_blocks_alone(tmp_path, k, n, has_offset)
-    rng = np.random.default_rng(k + n + has_offset)
+    has_offset, row_scales = scales == "offsets", scales == "rows"
+    main = _compile_blocks_alone(tmp_path, k, n, has_offset, row_scales=row_scales)
+    rng = np.random.default_rng(k + n + has_offset + 2 * row_scales)
     groups = k // 32
     q = rng.integers(-127, 128, (1, k)).astype(np.int8)
     w = rng.integers(-127, 128, (n, k)).astype(np.int8)
     xs = rng.uniform(0.001, 0.02, groups).astype(np.float32)
-    ws = rng.uniform(0.001, 0.02, (groups, n)).astype(np.float32)
+    ws = rng.uniform(0.001, 0.02, n if row_scales else (groups, n)).astype(np.float32)
     args = [q, xs, w, ws]
     if has_offset:
         args += [q.reshape(groups, 32).sum(axis=1).astype(np.float32), rng.uniform(-0.1, 0.1, (groups, n)).astype(np.float32)]
@@ -224,6 +233,8 @@ def test_every_function_matches_the_eager_model(kernel_export):
     mlir = (artifacts / "model.mlir").read_text()
     if weights in ("q4_1", "gguf"):  # the 4-bit layers' kernel; Q4_1's head (Q8_0) the int8 one, in one module
         assert "@row_nibbles" in mlir and ("@row_blocks" in mlir) == (weights == "q4_1")
+    if weights == "int8":  # its row scales in the int8 block kernel
+        assert "flow.dispatch @kiln_row_blocks_row_scales_" in mlir
     program = Program(Artifacts.in_directory(artifacts))
     rng = np.random.default_rng(3)
     prompts = [rng.integers(4, 384, n).tolist() for n in (9, 21)]
@@ -237,8 +248,11 @@ def test_every_function_matches_the_eager_model(kernel_export):
         assert relative_error(logits[row, : len(prompt)], want) < tolerance
         tokens.append(int(want[-1].argmax()))
     lengths = [len(p) for p in prompts]
-    for step in range(4):
-        batch = 4 if step % 2 else 1
+    # int8's input is quantized per 32 by the kernel at one row and per 64 by IREE's grouped
+    # matmul at several (tests/export/test_quantized_export.py checks that one), while the eager
+    # rows run one at a time: its steps here are all at batch 1.
+    batches = [1, 1, 1, 1] if weights == "int8" else [1, 4, 1, 4]
+    for batch in batches:
         rows = list(range(len(prompts))) if batch == 4 else [0]
         got = driver.decode([seqs[r] for r in rows], [tokens[r] for r in rows], [lengths[r] for r in rows], batch=batch)
         for i, row in enumerate(rows):

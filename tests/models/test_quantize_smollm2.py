@@ -1,6 +1,7 @@
 """What bf16, int8, Q8_0 and Q4_1 weights cost in accuracy on the real SmolLM2-135M, in eager torch
 with the arithmetic the compiled functions do, call for call (tests/export/test_quantized_export.py
-shows the compiled ones agree with it).
+and, for int8 as a build with the CPU kernels runs it, tests/export/test_cpu_kernels.py show the
+compiled ones agree with it).
 
 The float32 model is the bundled Q4_1 file dequantized. Q4_1 serves the file's own blocks, so its
 weights are float32's exactly and only its decode steps' quantized activations differ.
@@ -36,6 +37,10 @@ PROMPTS = ["1, 2, 3, 4, 5,", "Once upon a time", "What is 2+2?"]
 # "def fibonacci(n):" (sixth, 0.23) and "The capital of France is" (sixth, 0.22), so its greedy
 # check takes prompts that hold, and the near-tie check below covers it on all of them.
 GREEDY_PROMPTS = {"bf16": PROMPTS, "int8": ["1, 2, 3, 4, 5,", "What is 2+2?", "Hello, my name is"]}
+# int8 as a build with Kiln's CPU kernels runs it: a one-row product quantizes its input per 32
+# channels there (export/cpu_kernels.py), several rows per 64 as above.
+INT8_KERNELS = "int8-kernels"
+GREEDY_PROMPTS[INT8_KERNELS] = GREEDY_PROMPTS["int8"]
 # Q8_0 and Q4_1 quantize a decode step's activations per 32 channels, as llama.cpp does: their
 # logits sit within ~1 of float32's, so they may take the other of two nearly tied tokens (Q8_0:
 # "What is 2+2?" at its ninth token, 0.22 apart; "Hello, my name is" at its seventh, 0.02 apart;
@@ -43,7 +48,7 @@ GREEDY_PROMPTS = {"bf16": PROMPTS, "int8": ["1, 2, 3, 4, 5,", "What is 2+2?", "H
 NEAR_TIE = 1.0
 GREEDY_TOKENS = 16
 PREFILL_TOKENS, DECODE_CONTEXT, DECODE_TOKENS = 2048, 64, 128
-MAX_CHANGE = {"bf16": 0.01, "int8": 0.02, "q8_0": 0.02, "q4_1": 0.02}
+MAX_CHANGE = {"bf16": 0.01, "int8": 0.02, "q8_0": 0.02, "q4_1": 0.02, INT8_KERNELS: 0.02}
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +58,14 @@ def tokenizer(smollm2_checkpoint):
 
 @pytest.fixture(scope="module")
 def models(smollm2_checkpoint):
-    return {mode: build_model(smollm2_checkpoint, ExportOptions(quantize=mode).validate(4096))
-            for mode in ("none", *MAX_CHANGE)}
+    from kiln.export.cpu_kernels import support_problem
+
+    built = {mode: build_model(smollm2_checkpoint, ExportOptions(quantize=mode).validate(4096))
+             for mode in ("none", *MAX_CHANGE) if mode != INT8_KERNELS}
+    if support_problem() is None:  # the kernels' arithmetic, run eagerly
+        options = ExportOptions(quantize="int8", cpu_kernels=True).validate(4096)
+        built[INT8_KERNELS] = build_model(smollm2_checkpoint, options)
+    return built
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +102,10 @@ def greedy(model, ids: list[int]) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["bf16", "int8"])
+@pytest.mark.parametrize("mode", ["bf16", "int8", INT8_KERNELS])
 def test_greedy_tokens_match_float32(models, tokenizer, mode):
+    if mode not in models:
+        pytest.skip("this machine does not run the CPU kernels")
     for prompt in GREEDY_PROMPTS[mode]:
         ids = tokenizer.encode(prompt, add_special_tokens=False).ids
         assert greedy(models[mode], ids) == greedy(models["none"], ids), prompt
@@ -102,14 +115,18 @@ def test_greedy_tokens_match_float32(models, tokenizer, mode):
 def test_mean_log_probability_over_a_fixed_text(models, text_ids, path):
     reference = path(models["none"], text_ids)
     for mode, limit in MAX_CHANGE.items():
+        if mode not in models or (mode == INT8_KERNELS and path is prefill_path):  # its prefill is int8's
+            continue
         change = abs(path(models[mode], text_ids) - reference) / abs(reference)
         assert change < limit, f"{mode}: mean log-probability {change:.2%} from float32's"
 
 
-@pytest.mark.parametrize("mode", ["int8", "q8_0", "q4_1"])
+@pytest.mark.parametrize("mode", ["int8", INT8_KERNELS, "q8_0", "q4_1"])
 def test_integer_types_pick_float32s_token_wherever_float32_is_not_near_a_tie(models, tokenizer, mode):
     """Along float32's greedy path (each step fed float32's token), int8's, Q8_0's and Q4_1's best
     token is float32's at every position where float32's two best logits are NEAR_TIE or more apart."""
+    if mode not in models:
+        pytest.skip("this machine does not run the CPU kernels")
     decided = 0
     for prompt in [*PROMPTS, "def fibonacci(n):", "Hello, my name is"]:
         ids = tokenizer.encode(prompt, add_special_tokens=False).ids
