@@ -63,7 +63,7 @@ def run_generate(args) -> int:
 
     params = sampling_from_args(args)
     artifacts = resolve_artifacts(args)
-    with LLM(artifacts, device=device_name(args)) as llm:
+    with LLM(artifacts, device=device_name(args), parameter_memory=args.parameter_memory) as llm:
         if args.chat:
             prompt = llm.service.encode(render_chat(llm.service, args.prompt), add_special_tokens=False)
         else:

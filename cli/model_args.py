@@ -49,10 +49,16 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pipeline-parallel", "--pipeline-parallel-size", type=positive_int, default=1,
                        help="with --model or the default model: split the layers over this many device stages")
     group.add_argument("--cpu-kernels", choices=("auto", "on", "off"), default="auto",
-                       help="with --model or the default model: one-token weight matmuls (float32, bf16, Q8_0/Q4_0/Q4_1 "
-                       "blocks) through Kiln's hand-written AVX-512 kernels; auto (default): where this CPU and a C "
-                       "compiler allow")
+                       help="with --model or the default model: one-token weight matmuls (float32, bf16, int8, "
+                       "Q8_0/Q4_0/Q4_1 blocks) through Kiln's hand-written AVX-512 kernels; auto (default): where "
+                       "this CPU and a C compiler allow")
     group.add_argument("--device", default="local-task", help="local-task (CPU), cuda, hip")
+    group.add_argument("--parameter-memory", choices=("auto", "mapped", "private"), default="auto",
+                       help="where the weights live in host memory: mapped (the file's pages, shared with every "
+                       "process that maps it, e.g. data-parallel replicas on one machine), private (read into "
+                       "this process's memory in huge pages: a CPU decode step a few percent faster); auto "
+                       "(default): private on the CPU where the OS offers huge pages, else mapped (and with "
+                       "--data-parallel)")
     group.add_argument("--device-ids", default=None,
                        help="device id(s), e.g. 0, or 0,1 for a tensor/pipeline-parallel export's devices")
 

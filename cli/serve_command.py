@@ -282,6 +282,7 @@ def run_serve(args) -> int:
     service_config = ServiceConfig(
         artifacts,
         device=device_name(args),
+        parameter_memory=args.parameter_memory,
         prefix_sharing=args.prefix_sharing,
         page_count=args.kv_cache_pages,
         max_running=args.max_running,
@@ -310,6 +311,9 @@ def run_data_parallel(args, service_config: ServiceConfig, settings: ServerSetti
     configure_logging(args.log_level)
     if service_config.artifacts is None:
         service_config = dataclasses.replace(service_config, artifacts=resolve_in_child(args))
+    if service_config.parameter_memory == "auto":
+        # Replicas on one machine share the file's pages, where private memory would hold a copy each.
+        service_config = dataclasses.replace(service_config, parameter_memory="mapped")
     low, high = args.autoscale or (None, None)
     try:
         config = DataParallelConfig(

@@ -16,13 +16,15 @@ from .contract import PARAMETER_SCOPE, Artifacts, Capabilities, ContractError, p
 from .device_layout import DeviceLayout
 from .devices import ShardedKvCache, open_devices
 from .errors import ModelLoadError
+from .parameters import ParameterArchive, resolved
 
 
 class Program:
     """The compiled functions of one model on its device (or devices: a tensor/pipeline-parallel
     export's, runtime/device_layout.py), its config and what it can do."""
 
-    def __init__(self, artifacts: Artifacts, device: str = "local-task"):
+    def __init__(self, artifacts: Artifacts, device: str = "local-task", parameter_memory: str = "auto"):
+        """`parameter_memory`: where the parameters live in host memory (runtime/parameters.py)."""
         for label, path in (("VMFB", artifacts.vmfb), ("parameters", artifacts.params), ("config", artifacts.config)):
             if not Path(path).is_file():
                 raise ModelLoadError(f"{label} file {path} does not exist")
@@ -31,14 +33,14 @@ class Program:
         except (ValueError, TypeError, KeyError) as error:
             raise ModelLoadError(f"model config {artifacts.config} is invalid: {error}") from None
         self.kiln = kiln or KilnParams()
+        parameter_memory = resolved(parameter_memory, device)
         self.layout = DeviceLayout(self.kiln.tensor_parallel, self.kiln.pipeline_parallel)
         self.devices = open_devices(device, self.layout.device_count)
         self.device = self.devices[0]  # where the request's arrays go and the logits come from
         instance = ireert.VmInstance()
         try:
-            index = ireert.ParameterIndex()
-            index.load(str(artifacts.params))
-            params_module = ireert.create_io_parameters_module(instance, index.create_provider(scope=PARAMETER_SCOPE))
+            self.parameters = ParameterArchive(artifacts.params, parameter_memory)
+            params_module = ireert.create_io_parameters_module(instance, self.parameters.provider(PARAMETER_SCOPE))
             hal_module = ireert.create_hal_module(instance, devices=self.devices)
             program_module = ireert.VmModule.mmap(instance, str(artifacts.vmfb))
             context = ireert.VmContext(instance, modules=[hal_module, params_module, program_module])

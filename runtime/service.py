@@ -85,7 +85,7 @@ class ServiceStats:
 
 class GenerateService:
     def __init__(self, config: ServiceConfig, prepare: Callable[[], Artifacts] | None = None,
-                 program_factory: Callable[[Artifacts, str], Program] = Program):
+                 program_factory: Callable[[Artifacts, str, str], Program] = Program):
         """`prepare`, if given, runs first (off the event loop) and returns the artifacts to load:
         a first-run build, during which the service is LOADING. `program_factory` loads them
         (tests pass a stand-in that computes logits without a compiled model)."""
@@ -133,7 +133,7 @@ class GenerateService:
             self.artifacts = self._prepare()
         config, artifacts = self.config, self.artifacts
         started = time.monotonic()
-        program = self._program_factory(artifacts, config.device)
+        program = self._program_factory(artifacts, config.device, config.parameter_memory)
         params, abi = program.params, program.capabilities
         tokenizer_path = artifacts.tokenizer_path
         try:
@@ -228,7 +228,7 @@ class GenerateService:
         its prefill (start positions, every position's logits), in a cache of its own."""
         if not abi.is_diffusion:
             raise ModelLoadError("an APD verifier goes with a diffusion model; this one is autoregressive")
-        verifier = self._program_factory(self.config.apd_verifier, self.config.device)
+        verifier = self._program_factory(self.config.apd_verifier, self.config.device, self.config.parameter_memory)
         own = verifier.capabilities
         if own.is_diffusion or not own.has_prefill_position or not own.every_position_logits:
             raise ModelLoadError("the APD verifier must be an autoregressive export whose prefill takes start "
@@ -268,7 +268,7 @@ class GenerateService:
         if spec.method == "ngram":
             return Speculator(scheduler, spec.num_tokens, self.vocab_size, max_rows=spec.disable_by_batch_size,
                               lookup=PromptLookup(spec.prompt_lookup_max, spec.prompt_lookup_min))
-        draft = self._program_factory(spec.draft, self.config.device)
+        draft = self._program_factory(spec.draft, self.config.device, self.config.parameter_memory)
         tokenizer_vocab = self._same_tokenizer(spec.draft, "draft model")
         own = draft.capabilities
         if own.is_diffusion or not own.has_prefill_position:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .contract import Artifacts
+from .parameters import PARAMETER_MEMORY
 
 PREFIX_SHARING = ("trie", "none")
 HOST_WRITE_POLICIES = ("write_through", "write_back")  # as kvcache.host_tier names them
@@ -52,6 +53,8 @@ class ServiceConfig:
     # is then given a `prepare` callable that builds them and returns them.
     artifacts: Artifacts | None = None
     device: str = "local-task"
+    # Where the parameters live in host memory (runtime/parameters.py): "auto", "mapped" or "private".
+    parameter_memory: str = "auto"
     prefix_sharing: str = "trie"  # "trie" | "none"
     page_count: int = 0  # 0: the export's device_block_count (or the memory budget)
     memory_budget_bytes: int = 0  # size the cache from bytes instead of a page count
@@ -75,6 +78,9 @@ class ServiceConfig:
     def __post_init__(self):
         if self.prefix_sharing not in PREFIX_SHARING:
             raise ValueError(f"prefix_sharing must be one of {', '.join(PREFIX_SHARING)}, got {self.prefix_sharing!r}")
+        if self.parameter_memory not in PARAMETER_MEMORY:
+            raise ValueError(f"parameter_memory must be one of {', '.join(PARAMETER_MEMORY)}, "
+                             f"got {self.parameter_memory!r}")
         if self.host_kv_write_policy not in HOST_WRITE_POLICIES:
             raise ValueError(f"host_kv_write_policy must be one of {', '.join(HOST_WRITE_POLICIES)}, "
                              f"got {self.host_kv_write_policy!r}")

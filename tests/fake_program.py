@@ -69,7 +69,7 @@ def write_fake_artifacts(directory: Path, tokenizer_json: str, tokenizer_config:
 class FakeProgram:
     """What GenerateService and the Executor use of a Program, computed in numpy."""
 
-    def __init__(self, artifacts: Artifacts, device: str = "local-task"):
+    def __init__(self, artifacts: Artifacts, device: str = "local-task", parameter_memory: str = "auto"):
         from kiln.runtime.config import load_model_config
 
         self.params, kiln = load_model_config(artifacts.config)

@@ -17,8 +17,8 @@ from tests.fake_program import FakeProgram, expected_greedy
 
 
 class ThreadRecordingProgram(FakeProgram):
-    def __init__(self, artifacts: Artifacts, device: str = "local-task"):
-        super().__init__(artifacts, device)
+    def __init__(self, artifacts: Artifacts, device: str = "local-task", parameter_memory: str = "auto"):
+        super().__init__(artifacts, device, parameter_memory)
         self.threads = {threading.get_ident()}
 
     def allocate_cache(self, pages: int):

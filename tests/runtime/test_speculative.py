@@ -38,10 +38,10 @@ class NoisyDraft(FakeProgram):
 
 
 def factory(draft_dir=None, draft_class=FakeProgram):
-    def make(artifacts, device="local-task"):
+    def make(artifacts, device="local-task", parameter_memory="auto"):
         if draft_dir is not None and artifacts.config.parent == draft_dir:
-            return draft_class(artifacts, device)
-        return FakeProgram(artifacts, device)
+            return draft_class(artifacts, device, parameter_memory)
+        return FakeProgram(artifacts, device, parameter_memory)
     return make
 
 
