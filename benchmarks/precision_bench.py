@@ -34,11 +34,16 @@ from benchmarks.peers.common import heavy_lock, log
 RESULTS_DIR = Path(__file__).parent / "results"
 # Each precision's `--quantize` on the bundled Q4_1 file (q4_1 serves its own blocks), and whether
 # its one-token matmuls run Kiln's hand-written CPU kernels, as `kiln serve` builds it on a CPU
-# that runs them (export/cpu_kernels.py: float32, bf16, int8 and the block types). The "-iree" rows are
-# the same weights with IREE's own kernels throughout, to measure what the hand-written ones change.
+# that runs them (export/cpu_kernels.py: float32, bf16, int8 and the block types, and decode attention
+# reading the KV pages in place). The "-iree" rows are the same weights with IREE's own kernels
+# throughout, and the "-gather" rows the hand-written matmuls with the model's page gather for
+# attention, to measure what each hand-written part changes.
 PRECISIONS = {"f32": ("none", True), "bf16w": ("bf16", True), "int8": ("int8", True), "q8_0": ("q8_0", True),
               "q4_1": ("q4_1", True), "f32-iree": ("none", False), "bf16w-iree": ("bf16", False),
-              "int8-iree": ("int8", False), "q8_0-iree": ("q8_0", False), "q4_1-iree": ("q4_1", False)}
+              "int8-iree": ("int8", False), "q8_0-iree": ("q8_0", False), "q4_1-iree": ("q4_1", False),
+              "f32-gather": ("none", True, False), "bf16w-gather": ("bf16", True, False),
+              "int8-gather": ("int8", True, False), "q8_0-gather": ("q8_0", True, False),
+              "q4_1-gather": ("q4_1", True, False)}
 DEFAULT_PRECISIONS = ("f32", "bf16w", "int8", "q8_0", "q4_1")
 CONTEXT, PREFILL_TOKENS, PAGES, GENERATED = 128, 512, 160, 128
 DECODE_BATCHES = (1, 8)
@@ -46,20 +51,24 @@ DECODE_BATCHES = (1, 8)
 # (int8 in 32-weight blocks with a float16 scale each) for Kiln's int8 and Q8_0. Kiln's Q8_0
 # blocks are those of llama.cpp's file: both quantize the same float32 weights by ggml's rule.
 # Q4_1 is the bundled file, as both engines run it.
-LLAMA_CPP_TYPES = {"f32": "f32", "bf16w": "bf16", "int8": "q8_0", "q8_0": "q8_0", "q4_1": "q4_1",
-                   "f32-iree": "f32", "bf16w-iree": "bf16", "int8-iree": "q8_0", "q8_0-iree": "q8_0",
-                   "q4_1-iree": "q4_1"}
+# A "-iree" or "-gather" row is paired with its precision's GGUF.
+LLAMA_CPP_TYPES = {"f32": "f32", "bf16w": "bf16", "int8": "q8_0", "q8_0": "q8_0", "q4_1": "q4_1"}
 
 
-def build(quantize: str, cpu_kernels: bool = False) -> Path:
+def llama_cpp_type(name: str) -> str:
+    return LLAMA_CPP_TYPES[name.split("-")[0]]
+
+
+def build(quantize: str, cpu_kernels: bool = False, attention_in_place: bool = True) -> Path:
     """SmolLM2 exported with these weights and compiled for the CPU (Kiln's keyed cache: built once);
-    `cpu_kernels` where this machine can build them."""
+    `cpu_kernels` where this machine can build them, decode attention in place with them unless
+    `attention_in_place` is False."""
     from kiln.export.cpu_kernels import support_problem
 
     cpu_kernels = cpu_kernels and support_problem() is None
     return build_in_child(f"ExportOptions(prefill_batch_sizes=(1,), decode_batch_sizes={DECODE_BATCHES}, "
                           f"max_seq_len=1024, device_block_count={PAGES}, quantize={quantize!r}, "
-                          f"cpu_kernels={cpu_kernels})")
+                          f"cpu_kernels={cpu_kernels}, attention_in_place={attention_in_place})")
 
 
 def resident_mib() -> float:
@@ -137,8 +146,8 @@ def measure(artifacts: dict[str, Path], rounds: int, llama_cpp: bool) -> dict:
             def peer(name=name):
                 from benchmarks.peers import llamacpp
 
-                figures = llamacpp.batched_bench(LLAMA_CPP_TYPES[name], npp=CONTEXT, ntg=GENERATED, npl="1,8")
-                prefill = llamacpp.batched_bench(LLAMA_CPP_TYPES[name], npp=PREFILL_TOKENS, ntg=1, npl="1")
+                figures = llamacpp.batched_bench(llama_cpp_type(name), npp=CONTEXT, ntg=GENERATED, npl="1,8")
+                prefill = llamacpp.batched_bench(llama_cpp_type(name), npp=PREFILL_TOKENS, ntg=1, npl="1")
                 peers[name].append({**figures, "prefill_512_ms": prefill["prefill_bs1_ms"]})
 
             jobs = (kiln, peer) if llama_cpp else (kiln,)
@@ -146,7 +155,7 @@ def measure(artifacts: dict[str, Path], rounds: int, llama_cpp: bool) -> dict:
                 job()
             figures = times[name][-1]
             log(f"round {round_index + 1}: {name} " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items())
-                + (f"; llama.cpp {LLAMA_CPP_TYPES[name]} {peers[name][-1]}" if llama_cpp else ""))
+                + (f"; llama.cpp {llama_cpp_type(name)} {peers[name][-1]}" if llama_cpp else ""))
     results = {}
     for name in names:
         parameter_bytes = sum(parameter_bytes_by_device((artifacts[name] / "model.mlir").read_text()).values())
@@ -167,7 +176,7 @@ def measure(artifacts: dict[str, Path], rounds: int, llama_cpp: bool) -> dict:
             # Prefill as a time ratio, Kiln's over llama.cpp's: below 1 is Kiln ahead.
             ratio["prefill_512_time"] = round(statistics.median(
                 k["prefill_512_ms"] / p["prefill_512_ms"] for k, p in zip(times[name], peers[name])), 2)
-            row["llama_cpp"] = {"type": LLAMA_CPP_TYPES[name], "rounds": peers[name], "ratio": ratio}
+            row["llama_cpp"] = {"type": llama_cpp_type(name), "rounds": peers[name], "ratio": ratio}
         if name != "f32":
             # Times divide float32's by this precision's, rates this one's by float32's: above 1 is faster.
             row["speedup_vs_f32"] = {key: round(statistics.median(

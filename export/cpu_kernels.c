@@ -1,11 +1,14 @@
 /* One-row weight matmuls for Kiln's CPU builds: y[n] = sum_k w[n][k] * x[k], for float32,
- * bfloat16 and block-quantized int8 weights.
+ * bfloat16 and block-quantized int8 weights; and, at the end, a decode step's attention over the
+ * paged KV cache, read in place (export/cpu_attention.py dispatches it).
  *
  * A decode step at batch 1 multiplies one activation row by every weight matrix, so its time
  * is the time to read the weights. Each kernel reads four weight rows side by side, with the
  * activation row held in cache and a software prefetch a few rows ahead: with rows of a few
  * hundred bytes to a few KB, each row's stream is too short for the hardware prefetchers to
- * get ahead of it on their own (benchmarks/NOTES.md, "Hand-written one-row matmuls").
+ * get ahead of it on their own (benchmarks/NOTES.md, "Hand-written one-row matmuls"). The
+ * float32 and 4-bit kernels also take a decode step's several input rows, each weight read from
+ * memory once for all of them.
  *
  * Linked into IREE's embedded ELF executables: no libc, no globals, no thread-local state.
  * Each call computes the output rows [row0, row0 + rows) of one workgroup. Prefetches past the
@@ -32,8 +35,92 @@ static inline float dot_tail(const float *w, const float *x, size_t k0, size_t k
   return sum;
 }
 
+/* Four weight rows (w0, each k_dim long) times one input row x: out[j] = w_j . x. `prefetch`: also
+ * ask for the rows F32_PREFETCH_ROWS ahead (the first pass over these rows, which streams them). */
+static inline void f32_one_by_four(const float *x, const float *w0, size_t k_dim, size_t k_vec, __mmask16 tail,
+                                   int prefetch, float out[4]) {
+  const float *w1 = w0 + k_dim, *w2 = w1 + k_dim, *w3 = w2 + k_dim;
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  size_t k = 0;
+  for (; k < k_vec; k += 16) {
+    if (prefetch) {
+      _mm_prefetch((const char *)(w0 + F32_PREFETCH_ROWS * k_dim + k), _MM_HINT_T0);
+      _mm_prefetch((const char *)(w1 + F32_PREFETCH_ROWS * k_dim + k), _MM_HINT_T0);
+      _mm_prefetch((const char *)(w2 + F32_PREFETCH_ROWS * k_dim + k), _MM_HINT_T0);
+      _mm_prefetch((const char *)(w3 + F32_PREFETCH_ROWS * k_dim + k), _MM_HINT_T0);
+    }
+    __m512 xv = _mm512_loadu_ps(x + k);
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + k), xv, a0);
+    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w1 + k), xv, a1);
+    a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w2 + k), xv, a2);
+    a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w3 + k), xv, a3);
+  }
+  if (tail) {
+    __m512 xv = _mm512_maskz_loadu_ps(tail, x + k);
+    a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w0 + k), xv, a0);
+    a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w1 + k), xv, a1);
+    a2 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w2 + k), xv, a2);
+    a3 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w3 + k), xv, a3);
+  }
+  out[0] = _mm512_reduce_add_ps(a0);
+  out[1] = _mm512_reduce_add_ps(a1);
+  out[2] = _mm512_reduce_add_ps(a2);
+  out[3] = _mm512_reduce_add_ps(a3);
+}
+
+/* Four weight rows times four input rows (x, k_dim apart): out[i][j] = w_j . x_i, each weight
+ * vector loaded once for the four inputs (16 accumulators, 4 input vectors, 1 weight vector: the
+ * accumulators are named so that they stay in registers). */
+#define F32_FOUR_INPUTS(j, wv)                   \
+  acc0##j = _mm512_fmadd_ps(wv, x0, acc0##j);    \
+  acc1##j = _mm512_fmadd_ps(wv, x1, acc1##j);    \
+  acc2##j = _mm512_fmadd_ps(wv, x2, acc2##j);    \
+  acc3##j = _mm512_fmadd_ps(wv, x3, acc3##j)
+
+static inline __attribute__((always_inline)) void f32_four_by_four(const float *x, const float *w0, size_t k_dim,
+                                                                   size_t k_vec, __mmask16 tail, float out[4][4]) {
+  const float *w1 = w0 + k_dim, *w2 = w1 + k_dim, *w3 = w2 + k_dim;
+  __m512 acc00 = _mm512_setzero_ps(), acc01 = acc00, acc02 = acc00, acc03 = acc00, acc10 = acc00, acc11 = acc00,
+         acc12 = acc00, acc13 = acc00, acc20 = acc00, acc21 = acc00, acc22 = acc00, acc23 = acc00, acc30 = acc00,
+         acc31 = acc00, acc32 = acc00, acc33 = acc00;
+  size_t k = 0;
+  for (; k < k_vec; k += 16) {
+    _mm_prefetch((const char *)(w0 + F32_PREFETCH_ROWS * k_dim + k), _MM_HINT_T0);
+    _mm_prefetch((const char *)(w1 + F32_PREFETCH_ROWS * k_dim + k), _MM_HINT_T0);
+    _mm_prefetch((const char *)(w2 + F32_PREFETCH_ROWS * k_dim + k), _MM_HINT_T0);
+    _mm_prefetch((const char *)(w3 + F32_PREFETCH_ROWS * k_dim + k), _MM_HINT_T0);
+    __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k_dim + k);
+    __m512 x2 = _mm512_loadu_ps(x + 2 * k_dim + k), x3 = _mm512_loadu_ps(x + 3 * k_dim + k);
+    F32_FOUR_INPUTS(0, _mm512_loadu_ps(w0 + k));
+    F32_FOUR_INPUTS(1, _mm512_loadu_ps(w1 + k));
+    F32_FOUR_INPUTS(2, _mm512_loadu_ps(w2 + k));
+    F32_FOUR_INPUTS(3, _mm512_loadu_ps(w3 + k));
+  }
+  if (tail) {
+    __m512 x0 = _mm512_maskz_loadu_ps(tail, x + k), x1 = _mm512_maskz_loadu_ps(tail, x + k_dim + k);
+    __m512 x2 = _mm512_maskz_loadu_ps(tail, x + 2 * k_dim + k), x3 = _mm512_maskz_loadu_ps(tail, x + 3 * k_dim + k);
+    F32_FOUR_INPUTS(0, _mm512_maskz_loadu_ps(tail, w0 + k));
+    F32_FOUR_INPUTS(1, _mm512_maskz_loadu_ps(tail, w1 + k));
+    F32_FOUR_INPUTS(2, _mm512_maskz_loadu_ps(tail, w2 + k));
+    F32_FOUR_INPUTS(3, _mm512_maskz_loadu_ps(tail, w3 + k));
+  }
+  out[0][0] = _mm512_reduce_add_ps(acc00); out[0][1] = _mm512_reduce_add_ps(acc01);
+  out[0][2] = _mm512_reduce_add_ps(acc02); out[0][3] = _mm512_reduce_add_ps(acc03);
+  out[1][0] = _mm512_reduce_add_ps(acc10); out[1][1] = _mm512_reduce_add_ps(acc11);
+  out[1][2] = _mm512_reduce_add_ps(acc12); out[1][3] = _mm512_reduce_add_ps(acc13);
+  out[2][0] = _mm512_reduce_add_ps(acc20); out[2][1] = _mm512_reduce_add_ps(acc21);
+  out[2][2] = _mm512_reduce_add_ps(acc22); out[2][3] = _mm512_reduce_add_ps(acc23);
+  out[3][0] = _mm512_reduce_add_ps(acc30); out[3][1] = _mm512_reduce_add_ps(acc31);
+  out[3][2] = _mm512_reduce_add_ps(acc32); out[3][3] = _mm512_reduce_add_ps(acc33);
+}
+
+/* y [m_dim, n_dim] = x [m_dim, k_dim] times w [n_dim, k_dim] transposed, for the output rows
+ * [row0, row0 + rows). One input row streams the weights once (four rows side by side); several
+ * (a decode step at a small batch) take them four at a time against four weight rows, so the
+ * weights come from memory once and from the core's own cache once per four inputs. */
 void kiln_row_matmul_f32(MEMREF_F32(x), MEMREF_F32(w), float *y_allocated, float *restrict y, size_t y_offset,
-                         size_t y_size, size_t y_stride, size_t n_dim, size_t k_dim, size_t row0, size_t rows) {
+                         size_t y_size, size_t y_stride, size_t n_dim, size_t k_dim, size_t m_dim, size_t row0,
+                         size_t rows) {
   (void)x_allocated; (void)x_size; (void)x_stride; (void)w_allocated; (void)w_size; (void)w_stride;
   (void)y_allocated; (void)y_size; (void)y_stride;
   x += x_offset;
@@ -44,33 +131,22 @@ void kiln_row_matmul_f32(MEMREF_F32(x), MEMREF_F32(w), float *y_allocated, float
   __mmask16 tail = (__mmask16)((1u << (k_dim - k_vec)) - 1u);
   size_t r = row0;
   for (; r + 4 <= end; r += 4) {
-    const float *w0 = w + r * k_dim, *w1 = w0 + k_dim, *w2 = w1 + k_dim, *w3 = w2 + k_dim;
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-    size_t k = 0;
-    for (; k < k_vec; k += 16) {
-      _mm_prefetch((const char *)(w0 + F32_PREFETCH_ROWS * k_dim + k), _MM_HINT_T0);
-      _mm_prefetch((const char *)(w1 + F32_PREFETCH_ROWS * k_dim + k), _MM_HINT_T0);
-      _mm_prefetch((const char *)(w2 + F32_PREFETCH_ROWS * k_dim + k), _MM_HINT_T0);
-      _mm_prefetch((const char *)(w3 + F32_PREFETCH_ROWS * k_dim + k), _MM_HINT_T0);
-      __m512 xv = _mm512_loadu_ps(x + k);
-      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + k), xv, a0);
-      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w1 + k), xv, a1);
-      a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w2 + k), xv, a2);
-      a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w3 + k), xv, a3);
+    const float *w0 = w + r * k_dim;
+    size_t i = 0;
+    for (; i + 4 <= m_dim; i += 4) {
+      float out[4][4];
+      f32_four_by_four(x + i * k_dim, w0, k_dim, k_vec, tail, out);
+      for (int a = 0; a < 4; ++a)
+        for (int b = 0; b < 4; ++b) y[(i + a) * n_dim + r + b] = out[a][b];
     }
-    if (tail) {
-      __m512 xv = _mm512_maskz_loadu_ps(tail, x + k);
-      a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w0 + k), xv, a0);
-      a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w1 + k), xv, a1);
-      a2 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w2 + k), xv, a2);
-      a3 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w3 + k), xv, a3);
+    for (; i < m_dim; ++i) {
+      float out[4];
+      f32_one_by_four(x + i * k_dim, w0, k_dim, k_vec, tail, i == 0, out);
+      for (int b = 0; b < 4; ++b) y[i * n_dim + r + b] = out[b];
     }
-    y[r] = _mm512_reduce_add_ps(a0);
-    y[r + 1] = _mm512_reduce_add_ps(a1);
-    y[r + 2] = _mm512_reduce_add_ps(a2);
-    y[r + 3] = _mm512_reduce_add_ps(a3);
   }
-  for (; r < end; ++r) y[r] = dot_tail(w + r * k_dim, x, 0, k_dim);
+  for (; r < end; ++r)
+    for (size_t i = 0; i < m_dim; ++i) y[i * n_dim + r] = dot_tail(w + r * k_dim, x + i * k_dim, 0, k_dim);
 }
 
 /* The same for bfloat16 x and w (x rounded to bfloat16 by the caller, as the model's matmul
@@ -85,13 +161,8 @@ static inline float bf16_to_float(uint16_t v) {
 }
 
 __attribute__((target("avx512f,avx512bw,avx512bf16")))
-void kiln_row_matmul_bf16(MEMREF_BF16(x), MEMREF_BF16(w), float *y_allocated, float *restrict y, size_t y_offset,
-                          size_t y_size, size_t y_stride, size_t n_dim, size_t k_dim, size_t row0, size_t rows) {
-  (void)x_allocated; (void)x_size; (void)x_stride; (void)w_allocated; (void)w_size; (void)w_stride;
-  (void)y_allocated; (void)y_size; (void)y_stride;
-  x += x_offset;
-  w += w_offset;
-  y += y_offset;
+static void bf16_one_row(const uint16_t *restrict x, const uint16_t *restrict w, float *restrict y, size_t n_dim,
+                         size_t k_dim, size_t row0, size_t rows) {
   size_t end = row0 + rows < n_dim ? row0 + rows : n_dim;
   size_t k_vec = k_dim & ~(size_t)31;
   __mmask32 tail = (__mmask32)((1ull << (k_dim - k_vec)) - 1ull);
@@ -129,6 +200,18 @@ void kiln_row_matmul_bf16(MEMREF_BF16(x), MEMREF_BF16(w), float *y_allocated, fl
     for (size_t k = 0; k < k_dim; ++k) sum += bf16_to_float(w0[k]) * bf16_to_float(x[k]);
     y[r] = sum;
   }
+}
+
+/* x [m_dim, k_dim] in bfloat16 times w [n_dim, k_dim]: each input row a pass of its own (the
+ * export sends one row here; several take IREE's kernels, which hold their own at bfloat16). */
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+void kiln_row_matmul_bf16(MEMREF_BF16(x), MEMREF_BF16(w), float *y_allocated, float *restrict y, size_t y_offset,
+                          size_t y_size, size_t y_stride, size_t n_dim, size_t k_dim, size_t m_dim, size_t row0,
+                          size_t rows) {
+  (void)x_allocated; (void)x_size; (void)x_stride; (void)w_allocated; (void)w_size; (void)w_stride;
+  (void)y_allocated; (void)y_size; (void)y_stride;
+  for (size_t i = 0; i < m_dim; ++i)
+    bf16_one_row(x + x_offset + i * k_dim, w + w_offset, y + y_offset + i * n_dim, n_dim, k_dim, row0, rows);
 }
 
 /* The block-quantized form (Q8_0, Q4_0, Q4_1: int8 values in blocks of 32 input channels, a
@@ -394,5 +477,120 @@ void kiln_row_matmul_q4(MEMREF_I8(q), MEMREF_F32(xs), MEMREF_F32(xsum), MEMREF_I
       }
       y[m * n_dim + r] += sum;
     }
+  }
+}
+
+/* Decode attention over the paged KV cache, reading each page where it lies.
+ *
+ * The model's own form gathers every K and V page of every sequence into a contiguous copy and
+ * then runs batch matmuls and a blocked softmax over the copy: about ten dispatches a layer, and
+ * the copy grows with the batch and the context. Here one workgroup takes one (sequence, K/V
+ * head) and walks its block table: 16 keys at a time, it scores the group's query heads against
+ * the keys (a K page is stored transposed, [head_dim, stride], so one vector holds one channel of
+ * 16 keys), folds them into a running softmax (flash-decoding's online form: the running maximum,
+ * the sum of weights, the weighted sum of V rows, rescaled as the maximum grows) and adds the
+ * weighted V rows ([stride, head_dim]). q arrives scaled by 1/sqrt(head_dim).
+ *
+ * Operands: q and out [rows, heads, head_dim]; cache the whole cache buffer; pages [rows, kv_heads,
+ * blocks] the K page of each block (its V page is kv_heads pages later, in units of
+ * head_dim * stride elements); visible [rows] how many keys each row's query sees (0 for a
+ * padding row, whose output is 0). A page past the end of the cache is skipped, never read.
+ */
+#define MEMREF_I64(name) \
+  const int64_t *name##_allocated, const int64_t *restrict name, size_t name##_offset, size_t name##_size, \
+  size_t name##_stride
+
+enum { ATTENTION_KEYS = 16, ATTENTION_MAX_GROUP = 16, ATTENTION_MAX_HEAD_DIM = 256 };
+
+/* exp(x) for float32 lanes: 2^n * exp(r), n = round(x / ln 2), |r| <= ln 2 / 2, exp(r) by its
+ * Taylor series to r^7 (error below 1e-8 relative). x is clamped below at -87, where exp is
+ * ~1.6e-38: the callers mask what must be exactly 0. No libm in an embedded executable. */
+__attribute__((target("avx512f")))
+static inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+__attribute__((target("avx512f")))
+void kiln_paged_decode_attention(MEMREF_F32(q), MEMREF_F32(cache), MEMREF_I64(pages), MEMREF_I64(visible),
+                                 float *out_allocated, float *restrict out, size_t out_offset, size_t out_size,
+                                 size_t out_stride, size_t heads, size_t kv_heads, size_t head_dim, size_t stride,
+                                 size_t blocks, size_t workgroup) {
+  (void)q_allocated; (void)q_size; (void)q_stride; (void)cache_allocated; (void)cache_stride;
+  (void)pages_allocated; (void)pages_size; (void)pages_stride; (void)visible_allocated; (void)visible_size;
+  (void)visible_stride; (void)out_allocated; (void)out_size; (void)out_stride;
+  q += q_offset;
+  cache += cache_offset;
+  pages += pages_offset;
+  visible += visible_offset;
+  out += out_offset;
+  size_t row = workgroup / kv_heads, kv_head = workgroup % kv_heads;
+  size_t group = heads / kv_heads, vectors = head_dim / 16, page_elems = head_dim * stride;
+  const float *qs = q + (row * heads + kv_head * group) * head_dim;
+  float *outs = out + (row * heads + kv_head * group) * head_dim;
+  const int64_t *table = pages + (row * kv_heads + kv_head) * blocks;
+  int64_t seen = visible[row];
+  size_t keys = seen <= 0 ? 0 : (size_t)seen < blocks * stride ? (size_t)seen : blocks * stride;
+
+  __m512 acc[ATTENTION_MAX_GROUP][ATTENTION_MAX_HEAD_DIM / 16];
+  float top[ATTENTION_MAX_GROUP], total[ATTENTION_MAX_GROUP];
+  for (size_t g = 0; g < group; ++g) {
+    top[g] = -__builtin_inff();
+    total[g] = 0.f;
+    for (size_t c = 0; c < vectors; ++c) acc[g][c] = _mm512_setzero_ps();
+  }
+  for (size_t key0 = 0; key0 < keys; key0 += ATTENTION_KEYS) {
+    int64_t page = table[key0 / stride];
+    size_t slot = key0 % stride;
+    if (page < 0 || ((size_t)page + kv_heads + 1) * page_elems > cache_size) continue;
+    const float *k_t = cache + (size_t)page * page_elems + slot;
+    const float *v = cache + ((size_t)page + kv_heads) * page_elems + slot * head_dim;
+    size_t live_keys = keys - key0 < ATTENTION_KEYS ? keys - key0 : ATTENTION_KEYS;
+    __mmask16 live = (__mmask16)((1u << live_keys) - 1u);
+
+    __m512 scores[ATTENTION_MAX_GROUP];
+    for (size_t g = 0; g < group; ++g) scores[g] = _mm512_setzero_ps();
+    for (size_t d = 0; d < head_dim; ++d) {
+      __m512 channel = _mm512_loadu_ps(k_t + d * stride);
+      for (size_t g = 0; g < group; ++g)
+        scores[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * head_dim + d]), channel, scores[g]);
+    }
+    float weights[ATTENTION_MAX_GROUP][ATTENTION_KEYS];
+    for (size_t g = 0; g < group; ++g) {
+      float chunk_top = _mm512_mask_reduce_max_ps(live, scores[g]);
+      float new_top = chunk_top > top[g] ? chunk_top : top[g];
+      __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(scores[g], _mm512_set1_ps(new_top))));
+      /* exp(-inf) on the first chunk: the clamp makes it ~1e-38, times a total and sums of 0. */
+      float rescale = _mm512_cvtss_f32(exp_ps(_mm512_set1_ps(top[g] - new_top)));
+      top[g] = new_top;
+      total[g] = total[g] * rescale + _mm512_reduce_add_ps(p);
+      __m512 rescales = _mm512_set1_ps(rescale);
+      for (size_t c = 0; c < vectors; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], rescales);
+      _mm512_storeu_ps(weights[g], p);
+    }
+    for (size_t j = 0; j < live_keys; ++j) {
+      const float *v_row = v + j * head_dim;
+      for (size_t c = 0; c < vectors; ++c) {
+        __m512 value = _mm512_loadu_ps(v_row + c * 16);
+        for (size_t g = 0; g < group; ++g)
+          acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(weights[g][j]), value, acc[g][c]);
+      }
+    }
+  }
+  for (size_t g = 0; g < group; ++g) {
+    __m512 inverse = _mm512_set1_ps(total[g] > 0.f ? 1.f / total[g] : 0.f);
+    for (size_t c = 0; c < vectors; ++c) _mm512_storeu_ps(outs + g * head_dim + c * 16, _mm512_mul_ps(acc[g][c], inverse));
   }
 }

@@ -2,15 +2,16 @@
 
 At batch 1 a decode step's time is the time to read its weights. `cpu_kernels.c` holds one-row
 matmuls for float32, bfloat16 and block-quantized int8 weights (Q8_0, Q4_0, Q4_1: both scales,
-the offset term and the sum over the blocks in one loop), and one-token matmuls of any number of
-rows for 4-bit blocks stored two values a byte (Q4_0, Q4_1, Q4_K), that read several weight rows
-side by side with a prefetch ahead of them. The export compiles them with the system's C
+the offset term and the sum over the blocks in one loop), and one-token matmuls of several rows
+(a decode step's batch) for float32 and for 4-bit blocks stored two values a byte (Q4_0, Q4_1,
+Q4_K), that read several weight rows side by side with a prefetch ahead of them. The export compiles them with the system's C
 compiler into an object file beside the MLIR, and each weight matmul of those kinds becomes a
 dispatch of one: a `stream.executable` whose function calls the object's symbol, which IREE
 links into its embedded ELF (IREE's "custom dispatch" mechanism); the int8 block kernel also takes
 int8 weights with a scale per row, each block taking its row's. Every other matmul (prefill,
-decode at several rows but for the 4-bit blocks, the block types of 16) keeps IREE's code.
+decode at several rows of bfloat16 or int8, the block types of 16) keeps IREE's code.
 What they measured against IREE's kernels: benchmarks/NOTES.md, "Hand-written one-row matmuls".
+The same object holds the decode attention kernel that export/cpu_attention.py dispatches.
 
 The object is built for the machine that exports (x86-64 with AVX-512; the bfloat16 and block
 kernels also need AVX512-BF16 and AVX512-VNNI, and those weights keep IREE's kernels on a CPU
@@ -43,6 +44,9 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # Output rows a workgroup computes: enough work per workgroup to hide its dispatch, and enough
 # workgroups for both task workers on the narrowest projection (576 rows: 9 workgroups).
 ROWS_PER_WORKGROUP = 64
+# The most input rows the float32 kernel takes (a decode step's batch); more are IREE's, whose
+# packed matmul is the faster form once the products outweigh the weight stream.
+KERNEL_ROWS = 16
 # Freestanding code for IREE's embedded ELF loader: position independent, no stack protector
 # (it would call into libc), no unwind tables.
 C_FLAGS = ("-O3", "-mavx512f", "-mfma", "-ffreestanding", "-fPIC", "-fno-stack-protector",
@@ -126,65 +130,69 @@ def build_object(directory: Path) -> Path:
 _ELEMENTS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
-def _executable_header(name: str, export: str) -> str:
+def executable_header(name: str, export: str, per_workgroup: int = ROWS_PER_WORKGROUP) -> str:
     """The opening of `name`'s executable: the kernels' object for x86-64's embedded ELF, and the
-    export `export` run over ceil(N / ROWS_PER_WORKGROUP) workgroups; its builtin.module follows."""
+    export `export` run over ceil(workload / per_workgroup) workgroups; its builtin.module follows."""
     return f"""stream.executable private @{name}_executable attributes {{
   hal.executable.objects = #hal.executable.objects<{{
     #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64"> = [#hal.executable.object<{{path = "{OBJECT_FILE}"}}>]
   }}>
 }} {{
   stream.executable.export public @{export} workgroups(%n: index) -> (index, index, index) {{
-    %groups = affine.apply affine_map<()[s0] -> (s0 ceildiv {ROWS_PER_WORKGROUP})>()[%n]
+    %groups = affine.apply affine_map<()[s0] -> (s0 ceildiv {per_workgroup})>()[%n]
     %c1 = arith.constant 1 : index
     stream.return %groups, %c1, %c1 : index, index, index
   }}"""
 
 
-def _row_matmul_text(name: str, k: int, n: int, element: str = "f32") -> str:
-    """A module holding the kernel's executable and `name`, which dispatches it on x [1, K] and
-    w [N, K] (both `element`, "f32" or "bf16") for y [1, N] in float32."""
+def _row_matmul_text(name: str, k: int, n: int, element: str = "f32", m: int = 1) -> str:
+    """A module holding the kernel's executable and `name`, which dispatches it on x [M, K] and
+    w [N, K] (both `element`, "f32" or "bf16") for y [M, N] in float32. M reaches the kernel as an
+    operand, so the executables of every shape have one body."""
     symbol = f"kiln_row_matmul_{element}"
     memref = f"memref<?x{element}>"
     out = "memref<?xf32>"
     return f"""module {{
-{_executable_header(name, "row_matmul")}
+{executable_header(name, "row_matmul")}
   builtin.module {{
-    func.func private @{symbol}({memref}, {memref}, {out}, index, index, index, index)
+    func.func private @{symbol}({memref}, {memref}, {out}, index, index, index, index, index)
         attributes {{hal.import.static}}
     func.func @row_matmul(%x_binding: !stream.binding, %w_binding: !stream.binding,
-                          %y_binding: !stream.binding, %n: index, %k: index) {{
+                          %y_binding: !stream.binding, %n: index, %k: index, %m: index) {{
       %c0 = arith.constant 0 : index
       %rows = arith.constant {ROWS_PER_WORKGROUP} : index
       %group = stream.dispatch.workgroup.id[0] : index
       %row0 = arith.muli %group, %rows : index
       %nk = arith.muli %n, %k : index
-      %x = stream.binding.subspan %x_binding[%c0] : !stream.binding -> {memref}{{%k}}
+      %mk = arith.muli %m, %k : index
+      %mn = arith.muli %m, %n : index
+      %x = stream.binding.subspan %x_binding[%c0] : !stream.binding -> {memref}{{%mk}}
       %w = stream.binding.subspan %w_binding[%c0] : !stream.binding -> {memref}{{%nk}}
-      %y = stream.binding.subspan %y_binding[%c0] : !stream.binding -> {out}{{%n}}
-      func.call @{symbol}(%x, %w, %y, %n, %k, %row0, %rows)
-          : ({memref}, {memref}, {out}, index, index, index, index) -> ()
+      %y = stream.binding.subspan %y_binding[%c0] : !stream.binding -> {out}{{%mn}}
+      func.call @{symbol}(%x, %w, %y, %n, %k, %m, %row0, %rows)
+          : ({memref}, {memref}, {out}, index, index, index, index, index) -> ()
       return
     }}
   }}
 }}
-util.func private @{name}(%x: tensor<1x{k}x{element}>, %w: tensor<{n}x{k}x{element}>) -> tensor<1x{n}xf32> {{
+util.func private @{name}(%x: tensor<{m}x{k}x{element}>, %w: tensor<{n}x{k}x{element}>) -> tensor<{m}x{n}xf32> {{
   %n = arith.constant {n} : index
   %k = arith.constant {k} : index
-  %x_flat = tensor.collapse_shape %x [[0, 1]] : tensor<1x{k}x{element}> into tensor<{k}x{element}>
+  %m = arith.constant {m} : index
+  %x_flat = tensor.collapse_shape %x [[0, 1]] : tensor<{m}x{k}x{element}> into tensor<{m * k}x{element}>
   %w_flat = tensor.collapse_shape %w [[0, 1]] : tensor<{n}x{k}x{element}> into tensor<{n * k}x{element}>
-  %y_flat = flow.dispatch @{name}_executable::@row_matmul[%n](%x_flat, %w_flat, %n, %k)
-      : (tensor<{k}x{element}>, tensor<{n * k}x{element}>, index, index) -> tensor<{n}xf32>
-  %y = tensor.expand_shape %y_flat [[0, 1]] output_shape [1, {n}] : tensor<{n}xf32> into tensor<1x{n}xf32>
-  util.return %y : tensor<1x{n}xf32>
+  %y_flat = flow.dispatch @{name}_executable::@row_matmul[%n](%x_flat, %w_flat, %n, %k, %m)
+      : (tensor<{m * k}x{element}>, tensor<{n * k}x{element}>, index, index, index) -> tensor<{m * n}xf32>
+  %y = tensor.expand_shape %y_flat [[0, 1]] output_shape [{m}, {n}] : tensor<{m * n}xf32> into tensor<{m}x{n}xf32>
+  util.return %y : tensor<{m}x{n}xf32>
 }}
 }}"""
 
 
 @CustomOp.register(library=KILN_LIBRARY)
 class row_matmul(CustomOp):
-    """x [1, K] @ w [N, K]^T -> float32 [1, N], x and w both float32 or both bfloat16, through
-    the hand-written kernel."""
+    """x [M, K] @ w [N, K]^T -> float32 [M, N], x and w both float32 or both bfloat16, through
+    the hand-written kernel (M static: a decode step's rows)."""
 
     signature = "row_matmul(Tensor x, Tensor w) -> Tensor"
 
@@ -193,20 +201,21 @@ class row_matmul(CustomOp):
         torch._check(x.t.dtype == w.t.dtype and x.t.dtype in _ELEMENTS and x.t.dim() == w.t.dim() == 2,
                      lambda: f"row_matmul: x [1, K] and w [N, K] of one type, float32 or bfloat16, "
                              f"got {x.t.dtype} and {w.t.dtype}")
-        torch._check(x.t.shape[0] == 1 and x.t.shape[1] == w.t.shape[1], lambda: "row_matmul: x [1, K], w [N, K]")
+        torch._check(x.t.shape[1] == w.t.shape[1], lambda: "row_matmul: x [M, K], w [N, K]")
         x.specialize_dims(0, 1)
         w.specialize_dims(0, 1)
-        ksel.return_new_tensor([1, w.t.shape[0]], torch.float32).specialize_dims(0, 1)
+        ksel.return_new_tensor([x.t.shape[0], w.t.shape[0]], torch.float32).specialize_dims(0, 1)
 
     def eager_execute(self, x, w):
         return x.float() @ w.float().T
 
     def generate(self, ksel: KernelSelection, kb: KernelBuilder):
+        m = ir.RankedTensorType(kb.arg_bindings[0].type).shape[0]
         w_type = ir.RankedTensorType(kb.arg_bindings[1].type)
         n, k = w_type.shape
         element = "bf16" if isinstance(w_type.element_type, ir.BF16Type) else "f32"
-        name = f"kiln_row_matmul_{element}_{n}x{k}"
-        emit_function(kb, name, _row_matmul_text(name, k, n, element))
+        name = f"kiln_row_matmul_{element}_{m}x{n}x{k}"
+        emit_function(kb, name, _row_matmul_text(name, k, n, element, m))
 
 
 def _row_blocks_text(name: str, k: int, n: int, has_offset: bool, packed: bool = False, m: int = 1,
@@ -254,7 +263,7 @@ def _row_blocks_text(name: str, k: int, n: int, has_offset: bool, packed: bool =
     flat_types = (f"tensor<{m * k}xi8>, tensor<{m * groups}xf32>, tensor<{m * groups}xf32>, tensor<{n * width}xi8>, "
                   f"tensor<{ws_elements}xf32>, tensor<{ws_elements}xf32>")
     return f"""module {{
-{_executable_header(name, export)}
+{executable_header(name, export)}
   builtin.module {{
     func.func private @{symbol}({i8}, {f32}, {f32}, {i8}, {f32}, {f32}, {f32}, index, index, index, index,
                                 index) attributes {{hal.import.static}}
@@ -399,16 +408,16 @@ def one_row_blocks(q, xs, w, ws, xsum=None, wo=None):
 
 def row_matmul_kernel(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None,
                       x_sum: torch.Tensor | None = None, w_offset: torch.Tensor | None = None) -> torch.Tensor:
-    """`weight_matmul_kernel`'s contract, plus float32 weights: a single row of float32, or of
-    bfloat16 where the CPU has AVX512-BF16, runs the hand-written kernel; several rows run IREE's
-    kernels (they hold their own there, where the compute adds to the weight stream), and so
-    do int8 weights."""
-    one_row = x.dim() == 2 and x.shape[0] == 1
-    if w.dtype == torch.bfloat16 and one_row and bf16_supported():
+    """`weight_matmul_kernel`'s contract, plus float32 weights: a decode step's rows of float32
+    (up to KERNEL_ROWS), or a single row of bfloat16 where the CPU has AVX512-BF16, run the
+    hand-written kernel; a prefill's rows run IREE's kernels, and so do several rows of bfloat16
+    (they hold their own there) and int8 weights."""
+    rows = x.shape[0] if x.dim() == 2 and isinstance(x.shape[0], int) else None
+    if w.dtype == torch.bfloat16 and rows == 1 and bf16_supported():
         return row_matmul(x, w)
     if w.dtype != torch.float32:
         return weight_matmul_kernel(x, w, w_scale, x_sum, w_offset)
-    return row_matmul(x, w) if one_row else x @ w.transpose(-1, -2)
+    return row_matmul(x, w) if rows is not None and rows <= KERNEL_ROWS else x @ w.transpose(-1, -2)
 
 
 # A block weight times one row of input, whole (models/quantize.py's `one_row_blocks`, and

@@ -29,6 +29,7 @@ from kiln.runtime.contract import (
 )
 from kiln.runtime.errors import ExportError
 
+from . import cpu_attention
 from .cpu_kernels import OBJECT_FILE, build_object, row_matmul_kernel, support_problem
 from .exporter import TORCH_DTYPES, trace_module
 from .options import ExportOptions
@@ -100,7 +101,10 @@ def kiln_params(checkpoint: Checkpoint, options: ExportOptions) -> KilnParams:
 
 def build_model(checkpoint: Checkpoint, options: ExportOptions) -> PagedLlama | ShardedPagedLlama:
     """The model to trace: one device's, or cut and placed over the options' device layout."""
-    model = PagedLlama(checkpoint.config, block_seq_stride=options.block_seq_stride, gather_pages=gather_pages)
+    config, stride = checkpoint.config, options.block_seq_stride
+    in_place = options.cpu_kernels and options.attention_in_place and cpu_attention.supports(config, stride, options.cache_dtype)
+    model = PagedLlama(config, block_seq_stride=stride, gather_pages=gather_pages,
+                       decode_attention=cpu_attention.paged_decode_attention if in_place else None)
     try:
         model.load_tensors(checkpoint.tensors, dtype=TORCH_DTYPES[options.dtype])
     except (ValueError, RuntimeError) as error:

@@ -51,6 +51,10 @@ class ExportOptions:
     # One-token weight matmuls (float32, bf16, the block types of 32) through Kiln's hand-written
     # CPU kernels (export/cpu_kernels.py): the export then compiles for this machine's CPU only.
     cpu_kernels: bool = False
+    # With cpu_kernels, a decode step's attention reads the KV pages where they lie
+    # (export/cpu_attention.py) rather than gathering them; False keeps the gather, to measure
+    # one against the other.
+    attention_in_place: bool = True
 
     @property
     def layout(self) -> DeviceLayout:

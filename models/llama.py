@@ -185,12 +185,18 @@ def index_pages(pages: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 class PagedLlama(nn.Module):
-    def __init__(self, config: LlamaConfig, block_seq_stride: int = 16, gather_pages=index_pages):
+    """`gather_pages` copies whole pages by index (`index_pages`'s contract); `decode_attention`,
+    when given, is a one-token step's attention reading the pages in place (the contract of
+    export/cpu_attention.py's `paged_decode_attention`), used instead of gathering them."""
+
+    def __init__(self, config: LlamaConfig, block_seq_stride: int = 16, gather_pages=index_pages,
+                 decode_attention=None):
         super().__init__()
         self.config = config
         self.causal = not config.is_diffusion
         self.block_seq_stride = block_seq_stride
         self.gather_pages = gather_pages
+        self.decode_attention = decode_attention
         self.model = Backbone(config)
         self.lm_head = None
         if not config.tie_word_embeddings:
@@ -272,7 +278,8 @@ class PagedLlama(nn.Module):
         step = PagedStep.of(self, tokens, start_pos, seq_lens, seq_block_ids, h.dtype)
         pages = CachePages(cache, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.block_seq_stride)
         for index, layer in enumerate(self.model.layers):
-            h = h + pages.attend(layer.self_attn, index, layer.input_layernorm(h), step, self.gather_pages)
+            h = h + pages.attend(layer.self_attn, index, layer.input_layernorm(h), step, self.gather_pages,
+                                 self.decode_attention)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return h
 
@@ -281,9 +288,9 @@ class PagedStep:
     """What every layer of one paged call shares: rotary tables, where each new token's K/V go,
     and which cached keys each query may see. Tensors, so a multi-device export can move them."""
 
-    def __init__(self, cos, sin, write_page, write_slot, bias, seq_block_ids, stride: int):
+    def __init__(self, cos, sin, write_page, write_slot, bias, visible, seq_block_ids, stride: int):
         self.cos, self.sin, self.write_page, self.write_slot = cos, sin, write_page, write_slot
-        self.bias, self.seq_block_ids, self.stride = bias, seq_block_ids, stride
+        self.bias, self.visible, self.seq_block_ids, self.stride = bias, visible, seq_block_ids, stride
 
     @classmethod
     def of(cls, model: "PagedLlama", tokens, start_pos, seq_lens, seq_block_ids, dtype) -> "PagedStep":
@@ -305,12 +312,14 @@ class PagedStep:
         last_visible = (torch.minimum(positions, last_key) if model.causal else last_key.expand(n, t)).unsqueeze(-1)
         hidden = (key_pos - last_visible).clamp(0, 1)  # [N,T,B*stride]: 1 = may not look
         bias = (hidden.float() * MASKED_SCORE).unsqueeze(1)  # [N,1,T,B*stride]
-        return cls(cos, sin, write_page, write_slot, bias, seq_block_ids, stride)
+        # The same for a one-token step as a count: its query sees the first `visible` keys.
+        visible = torch.clamp(last_visible[:, 0, 0] + 1, min=0, max=blocks * stride)  # [N]
+        return cls(cos, sin, write_page, write_slot, bias, visible, seq_block_ids, stride)
 
     def moved(self, move) -> "PagedStep":
         """The same step with every tensor passed through `move` (a transfer to a device)."""
         return PagedStep(*(move(x) for x in (self.cos, self.sin, self.write_page, self.write_slot, self.bias,
-                                              self.seq_block_ids)), self.stride)
+                                              self.visible, self.seq_block_ids)), self.stride)
 
 
 class CachePages:
@@ -333,8 +342,9 @@ class CachePages:
         self.head = torch.arange(kv_heads).view(1, kv_heads, 1)
         self.key_dim_offset = (torch.arange(head_dim) * stride).view(1, 1, 1, head_dim)
 
-    def attend(self, attn: Attention, layer: int, x, step: PagedStep, gather_pages):
-        """attn's output for normalized input x, after writing its new K/V as layer `layer`."""
+    def attend(self, attn: Attention, layer: int, x, step: PagedStep, gather_pages, decode_attention=None):
+        """attn's output for normalized input x, after writing its new K/V as layer `layer`; a
+        one-token step reads the pages in place through `decode_attention` when one is given."""
         layers, kv_heads, head_dim, stride = self.layers, self.kv_heads, self.head_dim, self.stride
         n, blocks = step.seq_block_ids.shape
         q, k, v = attn.project(x, step.cos, step.sin)
@@ -346,6 +356,10 @@ class CachePages:
         self.value_rows.index_put_((value_page * stride + slot,), v.to(self.flat.dtype))  # rows [N,Hkv,T]
         # The K page of each (row, head, block); its V page follows kv_heads pages later.
         read = ((step.seq_block_ids * layers + layer) * 2).unsqueeze(1) * kv_heads + self.head  # [N,Hkv,B]
+        if decode_attention is not None and q.shape[2] == 1:
+            scaled = q[:, :, 0].float() * (1.0 / math.sqrt(head_dim))
+            out = decode_attention(scaled, self.key_pages, read, step.visible)  # [N,H,D]
+            return attn.o_proj(out.reshape(n, 1, -1).to(q.dtype))
         keys_t = gather_pages(self.key_pages, read).permute(0, 1, 3, 2, 4).reshape(n, kv_heads, head_dim, blocks * stride)
         values = gather_pages(self.value_pages, read + kv_heads).view(n, kv_heads, blocks * stride, head_dim)
         return attn.attend_paged(q, keys_t, values, step.bias, stride)

@@ -77,19 +77,19 @@ def kernel_export(request, tiny_hf_dir, tiny_checkpoint, tmp_path_factory):
     return weights, artifacts, build_model(tiny_checkpoint, options.validate(256))
 
 
-def _compile_kernel_alone(directory, k: int, n: int, element: str):
-    """The kernel's dispatch for x [1, K] and w [N, K], behind a public function, compiled as
+def _compile_kernel_alone(directory, k: int, n: int, element: str, m: int = 1):
+    """The kernel's dispatch for x [M, K] and w [N, K], behind a public function, compiled as
     an export's would be."""
     import iree.runtime as rt
 
-    name = f"kiln_row_matmul_{element}_{n}x{k}"
-    body = cpu_kernels._row_matmul_text(name, k, n, element).strip()
+    name = f"kiln_row_matmul_{element}_{m}x{n}x{k}"
+    body = cpu_kernels._row_matmul_text(name, k, n, element, m).strip()
     assert body.startswith("module {") and body.endswith("}")
     source = directory / "kernel.mlir"
     # main takes float32 and rounds it to `element` (a no-op for f32), as the model's matmul
     # input is rounded, so numpy hands it plain float32 arrays.
-    x_type, w_type, y_type = f"tensor<1x{k}x{element}>", f"tensor<{n}x{k}x{element}>", f"tensor<1x{n}xf32>"
-    x32, w32 = f"tensor<1x{k}xf32>", f"tensor<{n}x{k}xf32>"
+    x_type, w_type, y_type = f"tensor<{m}x{k}x{element}>", f"tensor<{n}x{k}x{element}>", f"tensor<{m}x{n}xf32>"
+    x32, w32 = f"tensor<{m}x{k}xf32>", f"tensor<{n}x{k}xf32>"
     rounding = "" if element == "f32" else f"""
   %xr = arith.truncf %x : {x32} to {x_type}
   %wr = arith.truncf %w : {w32} to {w_type}"""
@@ -116,23 +116,24 @@ def _bf16_values(values: np.ndarray) -> np.ndarray:
     return (rounded << 16).view(np.float32)
 
 
-@pytest.mark.parametrize("element", ["f32", "bf16"])
+@pytest.mark.parametrize("element,m", [("f32", 1), ("f32", 8), ("f32", 7), ("bf16", 1), ("bf16", 2)])
 @pytest.mark.parametrize("k,n", [(50, 37), (64, 130), (576, 1536)])
-def test_the_kernel_matches_numpy_with_row_and_channel_tails(tmp_path, k, n, element):
+def test_the_kernel_matches_numpy_with_row_and_channel_tails(tmp_path, k, n, element, m):
     """K not a multiple of the vector width (a masked tail), N not a multiple of 4 (rows one at a
-    time) nor of a workgroup's 64 rows (a short last workgroup)."""
+    time) nor of a workgroup's 64 rows (a short last workgroup); M input rows four at a time and
+    the rest one at a time (7: one four and three)."""
     if element == "bf16" and not cpu_kernels.bf16_supported():
         pytest.skip("this CPU has no AVX512-BF16")
-    main = _compile_kernel_alone(tmp_path, k, n, element)
+    main = _compile_kernel_alone(tmp_path, k, n, element, m)
     rng = np.random.default_rng(k * n)
-    x = rng.standard_normal((1, k)).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((n, k)).astype(np.float32)
     got = np.asarray(main(x, w))
     if element == "bf16":
         x, w = _bf16_values(x), _bf16_values(w)
     # bf16 x bf16 products are exact in float32, so both forms hold float32's tolerance.
     want = x.astype(np.float64) @ w.T.astype(np.float64)
-    assert got.shape == (1, n)
+    assert got.shape == (m, n)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
 
 
@@ -273,6 +274,14 @@ def test_one_row_matmuls_dispatch_the_kernel_and_the_object_ships_beside_the_mli
                   for line in mlir.splitlines() if "flow.dispatch @kiln_row_matmul_f32_" in line}
     assert len(dispatched) >= 4, dispatched
     assert b"row_matmul" in (kernel_artifacts / "model_cpu.vmfb").read_bytes()  # the executables' export
+
+
+def test_decode_reads_the_kv_pages_in_place(kernel_artifacts):
+    """Every layer of every decode function calls the in-place attention kernel (2 layers, decode at
+    batch 1 and 4); prefill keeps the page gather."""
+    mlir = (kernel_artifacts / "model.mlir").read_text()
+    assert mlir.count("util.call @kiln_paged_decode_attention_") == 2 * 2
+    assert "util.call @kiln_gather_pages_" in mlir
 
 
 def test_an_export_with_the_kernels_compiles_for_this_cpu_only(kernel_artifacts, tmp_path):
