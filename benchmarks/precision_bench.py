@@ -32,18 +32,17 @@ from benchmarks.kiln_offline import build_in_child, median_ms
 from benchmarks.peers.common import heavy_lock, log
 
 RESULTS_DIR = Path(__file__).parent / "results"
-# Each precision's `--quantize` on the bundled Q4_1 file (q4_1 serves its own blocks), and whether
-# its one-token matmuls run Kiln's hand-written CPU kernels, as `kiln serve` builds it on a CPU
-# that runs them (export/cpu_kernels.py: float32, bf16, int8 and the block types, and decode attention
-# reading the KV pages in place). The "-iree" rows are the same weights with IREE's own kernels
-# throughout, and the "-gather" rows the hand-written matmuls with the model's page gather for
-# attention, to measure what each hand-written part changes.
-PRECISIONS = {"f32": ("none", True), "bf16w": ("bf16", True), "int8": ("int8", True), "q8_0": ("q8_0", True),
-              "q4_1": ("q4_1", True), "f32-iree": ("none", False), "bf16w-iree": ("bf16", False),
-              "int8-iree": ("int8", False), "q8_0-iree": ("q8_0", False), "q4_1-iree": ("q4_1", False),
-              "f32-gather": ("none", True, False), "bf16w-gather": ("bf16", True, False),
-              "int8-gather": ("int8", True, False), "q8_0-gather": ("q8_0", True, False),
-              "q4_1-gather": ("q4_1", True, False)}
+# Each precision's `--quantize` on the bundled Q4_1 file (q4_1 serves its own blocks), built as
+# `kiln serve` builds it on a CPU that runs Kiln's hand-written kernels (export/cpu_kernels.py:
+# float32, bf16, int8 and the block types, decode attention reading the KV pages in place, and a
+# fixed-shape decode whose command buffer is recorded once). Each variant changes one of those, to
+# measure what it is worth: "-iree" leaves every matmul to IREE's own kernels, "-gather" gathers
+# the pages for attention, "-dynamic" calls the decode whose shapes are dynamic.
+QUANTIZE = {"f32": "none", "bf16w": "bf16", "int8": "int8", "q8_0": "q8_0", "q4_1": "q4_1"}
+VARIANTS = {"": {}, "-iree": {"cpu_kernels": False}, "-gather": {"attention_in_place": False},
+            "-dynamic": {"decode_buckets": ()}}
+PRECISIONS = {name + suffix: {"quantize": quantize, **changed}
+              for suffix, changed in VARIANTS.items() for name, quantize in QUANTIZE.items()}
 DEFAULT_PRECISIONS = ("f32", "bf16w", "int8", "q8_0", "q4_1")
 CONTEXT, PREFILL_TOKENS, PAGES, GENERATED = 128, 512, 160, 128
 DECODE_BATCHES = (1, 8)
@@ -51,7 +50,7 @@ DECODE_BATCHES = (1, 8)
 # (int8 in 32-weight blocks with a float16 scale each) for Kiln's int8 and Q8_0. Kiln's Q8_0
 # blocks are those of llama.cpp's file: both quantize the same float32 weights by ggml's rule.
 # Q4_1 is the bundled file, as both engines run it.
-# A "-iree" or "-gather" row is paired with its precision's GGUF.
+# A variant row ("-iree", "-gather", "-dynamic") is paired with its precision's GGUF.
 LLAMA_CPP_TYPES = {"f32": "f32", "bf16w": "bf16", "int8": "q8_0", "q8_0": "q8_0", "q4_1": "q4_1"}
 
 
@@ -59,16 +58,17 @@ def llama_cpp_type(name: str) -> str:
     return LLAMA_CPP_TYPES[name.split("-")[0]]
 
 
-def build(quantize: str, cpu_kernels: bool = False, attention_in_place: bool = True) -> Path:
+def build(quantize: str, cpu_kernels: bool = True, attention_in_place: bool = True,
+          decode_buckets: tuple[int, ...] | None = None) -> Path:
     """SmolLM2 exported with these weights and compiled for the CPU (Kiln's keyed cache: built once);
-    `cpu_kernels` where this machine can build them, decode attention in place with them unless
-    `attention_in_place` is False."""
+    `cpu_kernels` where this machine can build them, the rest as ExportOptions takes them."""
     from kiln.export.cpu_kernels import support_problem
 
     cpu_kernels = cpu_kernels and support_problem() is None
     return build_in_child(f"ExportOptions(prefill_batch_sizes=(1,), decode_batch_sizes={DECODE_BATCHES}, "
                           f"max_seq_len=1024, device_block_count={PAGES}, quantize={quantize!r}, "
-                          f"cpu_kernels={cpu_kernels}, attention_in_place={attention_in_place})")
+                          f"cpu_kernels={cpu_kernels}, attention_in_place={attention_in_place}, "
+                          f"decode_buckets={decode_buckets!r})")
 
 
 def resident_mib() -> float:
@@ -103,10 +103,19 @@ class Calls:
                                      np.array([tokens]), self.prefill_table[:, :tokens // stride], self.cache)[0]
         return int(logits[0, -1].argmax())
 
+    def decode_call(self, batch: int, context: int, tables: np.ndarray) -> tuple[str, np.ndarray]:
+        """The decode the server would call for rows of `context` tokens, and `tables` cut or
+        padded to the width it takes."""
+        name, blocks = self.program.capabilities.decode_function(batch, context, PAGES)
+        wide = np.zeros((batch, max(blocks, tables.shape[1])), np.int64)
+        wide[:, :tables.shape[1]] = tables[:batch]
+        return name, wide[:, :blocks]
+
     def decode(self, batch: int) -> np.ndarray:
         positions = np.full(batch, CONTEXT)
-        return self.program.invoke(f"decode_bs{batch}", np.full((batch, 1), self.first), positions + 1, positions,
-                                   self.tables[:batch], self.cache)[0]
+        name, tables = self.decode_call(batch, CONTEXT + 1, self.tables)
+        return self.program.invoke(name, np.full((batch, 1), self.first), positions + 1, positions, tables,
+                                   self.cache)[0]
 
     def generation_tok_s(self, rows: int, steps: int = GENERATED) -> float:
         """llama-batched-bench's decode figure: `rows` sequences' tokens/s over `steps` decode steps
@@ -118,10 +127,11 @@ class Calls:
         tables = np.zeros((batch, blocks), np.int64)
         tables[:rows] = np.arange(1, 1 + rows * blocks).reshape(rows, blocks)
         tokens = np.full((batch, 1), self.first)
+        calls = [self.decode_call(batch, CONTEXT + step + 1, tables) for step in range(steps)]
         started = time.perf_counter()
-        for step in range(steps):
+        for step, (name, step_tables) in enumerate(calls):
             positions = np.full(batch, CONTEXT + step)
-            self.program.invoke(f"decode_bs{batch}", tokens, positions + 1, positions, tables, self.cache)
+            self.program.invoke(name, tokens, positions + 1, positions, step_tables, self.cache)
         return rows * steps / (time.perf_counter() - started)
 
 
@@ -203,7 +213,7 @@ def main() -> None:
         artifacts = {}
         for name in chosen:
             log(f"building SmolLM2 with {name} weights")
-            artifacts[name] = build(*PRECISIONS[name])
+            artifacts[name] = build(**PRECISIONS[name])
         log("measuring")
         report = measure(artifacts, args.rounds, args.llama_cpp)
     print(f"memory read bandwidth {report['membw']['read_gb_s']:.1f} GB/s")

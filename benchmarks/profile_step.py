@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from kiln.runtime.config import ModelParams, load_model_config
-from kiln.runtime.contract import Artifacts, FunctionKind, parse_function_name
+from kiln.runtime.contract import Artifacts, FunctionKind, fixed_decode_context, parse_function_name
 
 # "decode_bs1$async_dispatch_37_batch_matmul_1x1x576x1536_f32" -> "batch_matmul_1x1x576x1536_f32",
 # "_encoding_29_encode_576xf32_to_576xf32" -> "encode_576xf32_to_576xf32"
@@ -62,10 +62,18 @@ def call_inputs(params: ModelParams, function: str, context: int, tokens: int) -
     if params.paged_kv_cache.kv_cache_dtype == "bfloat16":
         raise SystemExit("a bfloat16 KV cache has no .npy form that iree-benchmark-module reads")
     blocks = -(-length // stride)
+    # A fixed-shape decode takes a table as wide as its bucket and a cache of the export's page count.
+    bucket = fixed_decode_context(function)
+    if bucket is not None and length > bucket:
+        raise SystemExit(f"{length} tokens of context do not fit {function}")
+    page_count = params.paged_kv_cache.device_block_count if bucket else rows * blocks + 1
+    if page_count < rows * blocks + 1:
+        raise SystemExit(f"{function} takes a cache of {page_count} pages: too few for {rows} rows of {length} tokens")
     pages = np.random.default_rng(1).permutation(rows * blocks) + 1  # page 0 stays the padding page
-    table = pages.reshape(rows, blocks).astype(np.int64)
+    table = np.zeros((rows, bucket // stride if bucket else blocks), np.int64)
+    table[:, :blocks] = pages.reshape(rows, blocks)
     dtype = np.dtype(params.paged_kv_cache.kv_cache_dtype)
-    cache = (np.random.default_rng(0).standard_normal((rows * blocks + 1, params.page_elems)) * 0.1).astype(dtype)
+    cache = (np.random.default_rng(0).standard_normal((page_count, params.page_elems)) * 0.1).astype(dtype)
     if decode:
         return [np.full((rows, 1), 100, np.int64), np.full(rows, context + 1, np.int64),
                 np.full(rows, context, np.int64), table, cache]
@@ -159,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.context, args.tokens, args.calls, args.top) < 1:
         parser.error("--context, --tokens, --calls and --top must be positive")
-    artifacts = args.artifacts or precision_bench.build(*precision_bench.PRECISIONS[args.precision])
+    artifacts = args.artifacts or precision_bench.build(**precision_bench.PRECISIONS[args.precision])
     if not Artifacts.in_directory(artifacts).vmfb.is_file():
         parser.error(f"{artifacts} holds no compiled CPU module")
     result = profile(artifacts, args.function, args.context, args.tokens, args.calls)

@@ -151,7 +151,7 @@ def step_precision(results: dict, args) -> None:
     artifacts = {}
     for name in args.precisions:
         log(f"precision: building SmolLM2 with {name} weights")
-        artifacts[name] = precision_bench.build(*precision_bench.PRECISIONS[name])
+        artifacts[name] = precision_bench.build(**precision_bench.PRECISIONS[name])
     results["precision"] = precision_bench.measure(artifacts, args.precision_rounds, "llama.cpp" in args.engines)
 
 

@@ -28,6 +28,15 @@ def _batch_sizes(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _decode_buckets(text: str) -> tuple[int, ...]:
+    from kiln.export.options import parse_decode_buckets
+
+    try:
+        return parse_decode_buckets(text)
+    except ExportError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def add_export_options(parser: argparse.ArgumentParser) -> None:
     defaults = ExportOptions()
     sizes = ",".join
@@ -46,6 +55,11 @@ def add_export_options(parser: argparse.ArgumentParser) -> None:
                         help="tokens per KV-cache page (default: %(default)s)")
     parser.add_argument("--device-block-count", type=positive_int, default=defaults.device_block_count,
                         help="default KV-cache pages (default: %(default)s)")
+    parser.add_argument("--decode-buckets", type=_decode_buckets, default=defaults.decode_buckets, metavar="T,T|none",
+                        help="context lengths that also get a decode with every shape fixed (for a cache of exactly "
+                        "--device-block-count pages), whose command buffer is recorded once rather than on every "
+                        "call; the server calls the smallest that fits (default: max-seq-len where decode attention "
+                        "reads the pages in place, else none)")
     parser.add_argument("--max-seq-len", type=positive_int, default=defaults.max_seq_len,
                         help="longest sequence (default: model context, at most 8192)")
     parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
@@ -77,7 +91,7 @@ def add_export_options(parser: argparse.ArgumentParser) -> None:
 # Options whose flag names the ExportOptions field as it is (--block-seq-stride: block_seq_stride).
 _SAME_NAMED = ("block_seq_stride", "device_block_count", "max_seq_len", "dtype", "kv_cache_dtype", "quantize",
                "prefill_final_logits", "top_k", "logits_normalization", "tensor_parallel", "pipeline_parallel",
-               "cpu_kernels")
+               "cpu_kernels", "decode_buckets")
 
 
 def options_from_args(args) -> ExportOptions:

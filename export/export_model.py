@@ -91,6 +91,7 @@ def kiln_params(checkpoint: Checkpoint, options: ExportOptions) -> KilnParams:
         tensor_parallel=options.tensor_parallel,
         pipeline_parallel=options.pipeline_parallel,
         quantization=options.quantize,
+        decode_buckets=list(options.decode_buckets or ()),
     )
     if c.is_diffusion:
         kiln = replace(kiln, prefill_final_logits=False, model_kind=DIFFUSION,
@@ -99,11 +100,30 @@ def kiln_params(checkpoint: Checkpoint, options: ExportOptions) -> KilnParams:
     return kiln
 
 
+def attention_in_place(checkpoint: Checkpoint, options: ExportOptions) -> bool:
+    """Whether decode attention reads the KV pages in place (the CPU kernel) rather than gathering them."""
+    return (options.cpu_kernels and options.attention_in_place
+            and cpu_attention.supports(checkpoint.config, options.block_seq_stride, options.cache_dtype))
+
+
+def with_decode_buckets(checkpoint: Checkpoint, options: ExportOptions) -> ExportOptions:
+    """The options with their decode buckets chosen (ExportOptions.decode_buckets): where none
+    were asked for, one of max_seq_len if attention reads the pages in place, since a wider
+    table costs that kernel nothing, and none otherwise."""
+    if checkpoint.config.is_diffusion:
+        if options.decode_buckets:
+            raise ExportError("decode buckets do not apply to a diffusion LM: it has no decode functions")
+        return replace(options, decode_buckets=())
+    if options.decode_buckets is not None:
+        return options
+    in_place = attention_in_place(checkpoint, options)
+    return replace(options, decode_buckets=(options.max_seq_len,) if in_place else ())
+
+
 def build_model(checkpoint: Checkpoint, options: ExportOptions) -> PagedLlama | ShardedPagedLlama:
     """The model to trace: one device's, or cut and placed over the options' device layout."""
-    config, stride = checkpoint.config, options.block_seq_stride
-    in_place = options.cpu_kernels and options.attention_in_place and cpu_attention.supports(config, stride, options.cache_dtype)
-    model = PagedLlama(config, block_seq_stride=stride, gather_pages=gather_pages,
+    in_place = attention_in_place(checkpoint, options)
+    model = PagedLlama(checkpoint.config, block_seq_stride=options.block_seq_stride, gather_pages=gather_pages,
                        decode_attention=cpu_attention.paged_decode_attention if in_place else None)
     try:
         model.load_tensors(checkpoint.tensors, dtype=TORCH_DTYPES[options.dtype])
@@ -119,6 +139,7 @@ def build_model(checkpoint: Checkpoint, options: ExportOptions) -> PagedLlama | 
 
 def export_model(checkpoint: Checkpoint, options: ExportOptions, output_dir: Path, log=print) -> ExportedModel:
     options = options.validate(checkpoint.config.max_position_embeddings, checkpoint.stored_quantization)
+    options = with_decode_buckets(checkpoint, options)
     c = checkpoint.config
     if c.is_diffusion and options.top_k is not None:
         raise ExportError("--top-k does not apply to a diffusion LM: its sampler reads every masked position")

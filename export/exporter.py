@@ -4,7 +4,8 @@
 Names and argument orders are the contract's (runtime/contract.py), which follows
 shortfin's ABI. Token length, block count and the cache's page count are dynamic, so
 one VMFB serves any prompt length up to max_seq_len and any cache size the runtime
-chooses.
+chooses. Beside each decode_bs<N>, one decode per context bucket with every shape fixed
+(decode_bs<N>_ctx<T>), whose command buffer IREE records once rather than on every call.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch.export import Dim
 
 from kiln.models.llama import MASKED_SCORE, PagedLlama
 from kiln.models.sharded_llama import ShardedPagedLlama
-from kiln.runtime.contract import FunctionKind, argument_names, function_name
+from kiln.runtime.contract import FunctionKind, argument_names, fixed_decode_name, function_name
 
 from .options import ExportOptions
 
@@ -106,10 +107,50 @@ def device_affinities(names: tuple[str, ...], cache) -> dict[int, aot.DeviceAffi
     return {first_cache + device: aot.DeviceAffinity(device) for device in range(1, len(cache))}
 
 
+def dynamic_examples(kind: FunctionKind, bs: int, options: ExportOptions) -> dict[str, tuple]:
+    """Example arguments (all but the cache) and their dynamic dimensions for a function of
+    `kind` and batch size `bs`: any token length (prefill, denoise) and block count."""
+    stride = options.block_seq_stride
+    max_blocks = options.max_seq_len // stride
+    blocks = Dim("blocks", min=1, max=max_blocks)
+    # The example shapes must differ from one another and from 1, or export
+    # specializes them as equal.
+    if kind is FunctionKind.DECODE:
+        tokens, tokens_dims = torch.zeros(bs, 1, dtype=torch.int64), {}
+    elif kind in (FunctionKind.DENOISE, FunctionKind.DENOISE_TOP):
+        # Any length: a dual-cache window is one block, which need not fill whole pages.
+        tokens = torch.zeros(bs, 2 * stride + 1, dtype=torch.int64)
+        tokens_dims = {1: Dim("window", min=2, max=options.max_seq_len)}
+    else:
+        token_blocks = Dim("token_blocks", min=1, max=max_blocks)
+        tokens, tokens_dims = torch.zeros(bs, 2 * stride, dtype=torch.int64), {1: token_blocks * stride}
+    return {
+        "tokens": (tokens, tokens_dims),
+        "start_pos": (torch.zeros(bs, dtype=torch.int64), {}),
+        "start_positions": (torch.zeros(bs, dtype=torch.int64), {}),
+        "seq_lens": (torch.ones(bs, dtype=torch.int64), {}),
+        "seq_block_ids": (torch.zeros(bs, 3, dtype=torch.int64), {1: blocks}),
+    }
+
+
+def trace_function(fxb: aot.FxProgramsBuilder, body, name: str, names: tuple[str, ...], examples: dict, log) -> None:
+    """Trace `body` as the module's function `name`, its arguments `names` given by `examples`
+    (each a tensor, or the cache's list of them, with its dynamic dimensions)."""
+    started = time.monotonic()
+    fxb.export_program(
+        body,
+        name=name,
+        args=tuple(examples[arg][0] for arg in names),
+        dynamic_shapes={arg: examples[arg][1] for arg in names},
+        strict=False,
+        arg_device=device_affinities(names, examples["cache"][0]),
+    )
+    log(f"  traced {name} in {time.monotonic() - started:.1f}s")
+
+
 def trace_module(model: PagedLlama | ShardedPagedLlama, options: ExportOptions, log=print) -> aot.ExportOutput:
     """Export every function the contract lists for these options into one module."""
     stride = options.block_seq_stride
-    max_blocks = options.max_seq_len // stride
     cache_dtype = TORCH_DTYPES[options.cache_dtype]
     example_pages = max(options.device_block_count, 4)
     fxb = aot.FxProgramsBuilder(model)
@@ -130,39 +171,19 @@ def trace_module(model: PagedLlama | ShardedPagedLlama, options: ExportOptions, 
         sizes = {FunctionKind.DECODE: options.decode_batch_sizes, FunctionKind.DENOISE: options.denoise_batch_sizes,
                  FunctionKind.DENOISE_TOP: options.denoise_batch_sizes}.get(kind, options.prefill_batch_sizes)
         for bs in sizes:
-            started = time.monotonic()
-            blocks = Dim("blocks", min=1, max=max_blocks)
-            # The example shapes must differ from one another and from 1, or export
-            # specializes them as equal.
-            if kind is FunctionKind.DECODE:
-                tokens, tokens_dims = torch.zeros(bs, 1, dtype=torch.int64), {}
-            elif kind in (FunctionKind.DENOISE, FunctionKind.DENOISE_TOP):
-                # Any length: a dual-cache window is one block, which need not fill whole pages.
-                tokens = torch.zeros(bs, 2 * stride + 1, dtype=torch.int64)
-                tokens_dims = {1: Dim("window", min=2, max=options.max_seq_len)}
-            else:
-                token_blocks = Dim("token_blocks", min=1, max=max_blocks)
-                tokens, tokens_dims = torch.zeros(bs, 2 * stride, dtype=torch.int64), {1: token_blocks * stride}
             pages = Dim("pages", min=2)
             cache = model.allocate_cache(example_pages, cache_dtype)
-            examples = {
-                "tokens": (tokens, tokens_dims),
-                "start_pos": (torch.zeros(bs, dtype=torch.int64), {}),
-                "start_positions": (torch.zeros(bs, dtype=torch.int64), {}),
-                "seq_lens": (torch.ones(bs, dtype=torch.int64), {}),
-                "seq_block_ids": (torch.zeros(bs, 3, dtype=torch.int64), {1: blocks}),
-                "cache": (cache, [{0: pages}] * len(cache) if isinstance(cache, list) else {0: pages}),
-            }
-            name = function_name(kind, bs)
-            fxb.export_program(
-                body,
-                name=name,
-                args=tuple(examples[arg][0] for arg in names),
-                dynamic_shapes={arg: examples[arg][1] for arg in names},
-                strict=False,
-                arg_device=device_affinities(names, cache),
-            )
-            log(f"  traced {name} in {time.monotonic() - started:.1f}s")
+            examples = dynamic_examples(kind, bs, options)
+            examples["cache"] = (cache, [{0: pages}] * len(cache) if isinstance(cache, list) else {0: pages})
+            trace_function(fxb, body, function_name(kind, bs), names, examples, log)
+            if kind is not FunctionKind.DECODE:
+                continue
+            for context in options.decode_buckets or ():
+                cache = model.allocate_cache(options.device_block_count, cache_dtype)
+                examples = {name: (tensor, {}) for name, (tensor, _) in dynamic_examples(kind, bs, options).items()}
+                examples["seq_block_ids"] = (torch.zeros(bs, context // stride, dtype=torch.int64), {})
+                examples["cache"] = (cache, [{}] * len(cache) if isinstance(cache, list) else {})
+                trace_function(fxb, body, fixed_decode_name(bs, context), names, examples, log)
 
     started = time.monotonic()
     output = aot.export(fxb)

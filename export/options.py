@@ -55,6 +55,14 @@ class ExportOptions:
     # (export/cpu_attention.py) rather than gathering them; False keeps the gather, to measure
     # one against the other.
     attention_in_place: bool = True
+    # Context lengths T (multiples of the stride, at most max_seq_len) that get a decode with
+    # every shape fixed, decode_bs<N>_ctx<T> beside each decode_bs<N>: its block table T / stride
+    # wide, its cache exactly device_block_count pages. IREE then records each one's command
+    # buffer once, at load, rather than on every call; the runtime calls the smallest that fits
+    # wherever its cache has that page count. None: one bucket of max_seq_len where decode
+    # attention reads the pages in place (its cost does not grow with the table's width), none
+    # otherwise (a gather's does: pick buckets near the contexts served).
+    decode_buckets: tuple[int, ...] | None = None
 
     @property
     def layout(self) -> DeviceLayout:
@@ -110,10 +118,31 @@ class ExportOptions:
             raise ExportError(f"max_seq_len must be positive, got {max_seq_len}")
         if max_seq_len % self.block_seq_stride:
             raise ExportError(f"block_seq_stride {self.block_seq_stride} does not divide max_seq_len {max_seq_len}")
+        buckets = self.decode_buckets
+        if buckets is not None:
+            stride = self.block_seq_stride
+            for context in buckets:
+                if not isinstance(context, int) or not 0 < context <= max_seq_len or context % stride:
+                    raise ExportError(f"decode buckets must be multiples of block_seq_stride {stride} "
+                                      f"up to max_seq_len {max_seq_len}, got {context}")
+            if buckets and self.layout.device_count > 1:
+                raise ExportError("decode buckets apply to a one-device export, not tensor or pipeline parallel ones")
+            buckets = tuple(sorted(set(buckets)))
         return replace(self, prefill_batch_sizes=tuple(sorted(set(self.prefill_batch_sizes))),
                        decode_batch_sizes=tuple(sorted(set(self.decode_batch_sizes))),
                        denoise_batch_sizes=tuple(sorted(set(self.denoise_batch_sizes))), max_seq_len=max_seq_len,
-                       quantize=quantize)
+                       quantize=quantize, decode_buckets=buckets)
+
+
+def parse_decode_buckets(text: str) -> tuple[int, ...]:
+    """'512,4096' -> (512, 4096); 'none' -> () (no fixed-shape decode); else an ExportError."""
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        return tuple(parse_batch_sizes(text))
+    except ExportError:
+        raise ExportError("decode buckets must be positive token counts separated by commas, or none; "
+                          f"got {text!r}") from None
 
 
 def parse_batch_sizes(text: str) -> list[int]:

@@ -107,6 +107,9 @@ class KilnParams:
     # How the weight matmuls store their weights: "none", "bf16" or "int8" (for the record: the
     # functions' arguments and results are the same whatever it is).
     quantization: str = "none"
+    # Context lengths T with decode_bs<N>_ctx<T> beside each decode_bs<N> (contract.fixed_decode_name):
+    # the same decode with every shape fixed, for a cache of exactly device_block_count pages.
+    decode_buckets: list[int] = field(default_factory=list)
 
     FIELD_NAMES = ()  # filled below
 

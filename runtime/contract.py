@@ -57,6 +57,7 @@ _PREFILL_ARGUMENTS = ("tokens", "start_pos", "seq_lens", "seq_block_ids", "cache
 _PREFILL_ARGUMENTS_NO_POSITION = ("tokens", "seq_lens", "seq_block_ids", "cache")
 _DECODE_ARGUMENTS = ("tokens", "seq_lens", "start_positions", "seq_block_ids", "cache")
 _FUNCTION_NAME = re.compile(r"^(prefill_last|prefill|decode|denoise_top|denoise)_bs([1-9][0-9]*)$")
+_FIXED_DECODE_NAME = re.compile(r"^decode_bs([1-9][0-9]*)_ctx([1-9][0-9]*)$")
 DIFFUSION = "diffusion"  # KilnParams.model_kind of a diffusion LM's export
 
 
@@ -64,8 +65,25 @@ def function_name(kind: FunctionKind, batch_size: int) -> str:
     return f"{FunctionKind(kind).value}_bs{batch_size}"
 
 
+def fixed_decode_name(batch_size: int, context: int) -> str:
+    """decode_bs<N>_ctx<T>: decode_bs<N> with every shape fixed, for rows of at most T tokens (a
+    block table T / stride wide) over a cache of exactly the config's device_block_count pages.
+    Nothing in it is dynamic, so IREE records its command buffer once, when the module loads,
+    rather than on every call."""
+    return f"{function_name(FunctionKind.DECODE, batch_size)}_ctx{context}"
+
+
+def fixed_decode_context(name: str) -> int | None:
+    """T of a fixed-shape decode's name, decode_bs<N>_ctx<T>; None for any other name."""
+    match = _FIXED_DECODE_NAME.match(name)
+    return int(match.group(2)) if match else None
+
+
 def parse_function_name(name: str) -> tuple[FunctionKind, int] | None:
-    """(kind, batch size) of an ABI function's name; None for any other name."""
+    """(kind, batch size) of an ABI function's name (a fixed-shape decode's included); None for
+    any other name."""
+    if match := _FIXED_DECODE_NAME.match(name):
+        return FunctionKind.DECODE, int(match.group(1))
     match = _FUNCTION_NAME.match(name)
     return (FunctionKind(match.group(1)), int(match.group(2))) if match else None
 
@@ -94,7 +112,9 @@ def expected_functions(params: ModelParams, with_prefill_last: bool, kiln: KilnP
         return [function_name(kind, bs) for kind in kinds for bs in kiln.denoise_batch_sizes]
     kinds = [FunctionKind.PREFILL] + ([FunctionKind.PREFILL_LAST] if with_prefill_last else [])
     names = [function_name(kind, bs) for kind in kinds for bs in params.prefill_batch_sizes]
-    return names + [function_name(FunctionKind.DECODE, bs) for bs in params.decode_batch_sizes]
+    names += [function_name(FunctionKind.DECODE, bs) for bs in params.decode_batch_sizes]
+    buckets = kiln.decode_buckets if kiln is not None else ()
+    return names + [fixed_decode_name(bs, context) for bs in params.decode_batch_sizes for context in buckets]
 
 
 @dataclass(frozen=True)
@@ -144,6 +164,10 @@ class Capabilities:
     has_denoise_top: bool = False  # denoise_top_bs<N> for every denoise size
     mask_token_id: int | None = None
     logits_shift: int = 0
+    # Context lengths with a fixed-shape decode (fixed_decode_name) for every decode size, and
+    # the cache's page count those take.
+    decode_buckets: tuple[int, ...] = ()
+    fixed_page_count: int = 0
 
     @property
     def is_diffusion(self) -> bool:
@@ -176,12 +200,28 @@ class Capabilities:
             has_denoise_top=diffusion and kiln.denoise_top,
             mask_token_id=kiln.mask_token_id if diffusion else None,
             logits_shift=kiln.logits_shift if diffusion else 0,
+            decode_buckets=() if diffusion else tuple(sorted(kiln.decode_buckets)),
+            fixed_page_count=params.paged_kv_cache.device_block_count,
         )
 
     @property
     def every_position_logits(self) -> bool:
         """Whether some prefill returns the logits at every position (what prompt logprobs need)."""
         return not self.prefill_returns_last_only
+
+    def decode_function(self, batch_size: int, context: int, page_count: int) -> tuple[str, int]:
+        """The decode to call for a batch whose longest row holds `context` tokens over a cache of
+        `page_count` pages, and how many blocks wide its table is.
+
+        The smallest fixed-shape bucket that holds the context, where the cache has the page
+        count those were exported for (each call then replays a command buffer recorded once);
+        decode_bs<N> with a table just wide enough otherwise.
+        """
+        if page_count == self.fixed_page_count:
+            for bucket in self.decode_buckets:
+                if context <= bucket:
+                    return fixed_decode_name(batch_size, bucket), bucket // self.block_seq_stride
+        return function_name(FunctionKind.DECODE, batch_size), -(-context // self.block_seq_stride)
 
     def prefill_function(self, batch_size: int, every_position: bool) -> tuple[str, bool]:
         """The prefill to call for a batch, and whether it returns only each row's last logits.

@@ -36,7 +36,8 @@ def build_invocation(batch: Batch, abi: Capabilities, page_count: int, vocab_siz
     if batch.phase is Phase.DECODE:
         if any(len(chunk) != 1 for chunk in batch.tokens):
             raise InvocationError("a decode row feeds exactly one token")
-        name, last_only, kind = function_name(FunctionKind.DECODE, rows), True, FunctionKind.DECODE
+        # The function (a fixed-shape bucket or decode_bs<N>) depends on the rows' lengths, below.
+        name, last_only, kind = "", True, FunctionKind.DECODE
         width = 1
     elif batch.phase is Phase.DENOISE:
         if rows not in abi.denoise_batch_sizes:
@@ -73,6 +74,8 @@ def build_invocation(batch: Batch, abi: Capabilities, page_count: int, vocab_siz
         starts[row] = start
         seq_lens[row] = seq_len
     blocks = -(-int(seq_lens.max()) // stride)
+    if kind is FunctionKind.DECODE:
+        name, blocks = abi.decode_function(rows, int(seq_lens.max()), page_count)
     table = np.zeros((rows, blocks), np.int64)
     for row, pages in enumerate(batch.block_tables):
         pages = pages[:blocks]

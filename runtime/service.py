@@ -155,6 +155,10 @@ class GenerateService:
         if page_count < 2:
             raise ModelLoadError(f"the KV cache needs at least 2 pages of {page_bytes} bytes")
         pool = PagePool(page_count, program.allocate_cache)
+        if abi.decode_buckets and page_count != abi.fixed_page_count:
+            log.info("decode calls the functions whose shapes are dynamic: the fixed-shape ones take a cache of "
+                     "exactly %d pages (the export's --device-block-count), this one has %d",
+                     abi.fixed_page_count, page_count)
         prefix_sharing = config.prefix_sharing
         if prefix_sharing == "trie" and not abi.has_prefill_position:
             log.warning("prefix sharing is off: this export's prefill takes no start position, "

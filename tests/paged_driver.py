@@ -17,6 +17,7 @@ class PagedDriver:
     def __init__(self, program: Program, pages: int = 64):
         self.program = program
         self.stride = program.params.block_seq_stride
+        self.pages = pages
         self.cache = program.allocate_cache(pages)
         self.next_page = 1
         self.tables: list[list[int]] = []
@@ -56,8 +57,10 @@ class PagedDriver:
             args.pop(1)
         return self.program.invoke(f"{function}_bs{batch}", *args)[0]
 
-    def decode(self, seqs, tokens, positions, batch: int) -> np.ndarray:
-        """Logits [batch, 1, V] for one new token per sequence at `positions`."""
+    def decode(self, seqs, tokens, positions, batch: int, dynamic: bool = False) -> np.ndarray:
+        """Logits [batch, 1, V] for one new token per sequence at `positions`, from the decode the
+        server would call (a fixed-shape one where the export has it and the cache fits it), or
+        from decode_bs<N> itself if `dynamic`."""
         token_arr = np.zeros((batch, 1), np.int64)
         seq_lens = np.ones(batch, np.int64)
         starts = np.zeros(batch, np.int64)
@@ -65,9 +68,11 @@ class PagedDriver:
             token_arr[row, 0] = token
             seq_lens[row] = pos + 1
             starts[row] = pos
-        blocks = -(-int(seq_lens.max()) // self.stride)
+        name, blocks = self.program.capabilities.decode_function(batch, int(seq_lens.max()), self.pages)
+        if dynamic:
+            name, blocks = f"decode_bs{batch}", -(-int(seq_lens.max()) // self.stride)
         table = self._block_table(seqs, batch, blocks)
-        return self.program.invoke(f"decode_bs{batch}", token_arr, seq_lens, starts, table, self.cache)[0]
+        return self.program.invoke(name, token_arr, seq_lens, starts, table, self.cache)[0]
 
 
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:

@@ -65,13 +65,13 @@ def test_the_precision_step_measures_each_chosen_precision_beside_llama_cpp(tmp_
     monkeypatch.setattr(run, "heavy_lock", contextlib.nullcontext)
     monkeypatch.setattr(run.report, "write_all", lambda *args: None)
     monkeypatch.setattr(run.precision_bench, "build",
-                        lambda quantize, cpu_kernels: built.append((quantize, cpu_kernels)) or Path(quantize))
+                        lambda quantize, **changed: built.append((quantize, changed)) or Path(quantize))
     monkeypatch.setattr(run.precision_bench, "measure", lambda artifacts, rounds, llama_cpp: measured.update(
         artifacts=artifacts, rounds=rounds, llama_cpp=llama_cpp) or {"membw": {"read_gb_s": 30.0}, "results": {}})
     output = tmp_path / "results.json"
     assert main(["--steps", "precision", "--precisions", "f32,q4_1", "--precision-rounds", "2",
                  "--engines", "kiln,llama.cpp", "--output", str(output)]) == 0
-    assert built == [("none", True), ("q4_1", True)]  # as `kiln serve` builds them: with the CPU kernels
+    assert built == [("none", {}), ("q4_1", {})]  # as `kiln serve` builds them: build's defaults
     assert measured == {"artifacts": {"f32": Path("none"), "q4_1": Path("q4_1")}, "rounds": 2, "llama_cpp": True}
     assert json.loads(output.read_text())["precision"] == {"membw": {"read_gb_s": 30.0}, "results": {}}
 

@@ -105,3 +105,13 @@ def test_compile_of_invalid_mlir(tmp_path):
 def test_a_device_layout_the_model_cannot_take(hf_dir, tmp_path, flags, needle):
     assert_one_line_error(export(hf_dir, tmp_path / "out", *flags), needle)
     assert_no_output(tmp_path / "out")
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--decode-buckets", "100"], "multiples of block_seq_stride 16"),
+    (["--decode-buckets", "64,x"], "positive token counts"),
+    (["--decode-buckets", "64", "--tensor-parallel", "2"], "one-device export"),
+])
+def test_decode_buckets_the_export_cannot_take(hf_dir, tmp_path, flags, needle):
+    assert_one_line_error(export(hf_dir, tmp_path / "out", "--max-seq-len", "256", *flags), needle)
+    assert_no_output(tmp_path / "out")

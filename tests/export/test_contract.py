@@ -12,7 +12,8 @@ from kiln.export.options import ExportOptions
 from kiln.runtime.config import load_model_config, sidecar_path
 from kiln.runtime.contract import (
     CONFIG_FILE, MLIR_FILE, PARAMETER_SCOPE, PARAMETERS_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Artifacts,
-    FunctionKind, argument_names, expected_functions, parse_function_name, vmfb_file,
+    FunctionKind, argument_names, expected_functions, fixed_decode_context, fixed_decode_name, parse_function_name,
+    vmfb_file,
 )
 from kiln.runtime.program import Program
 
@@ -32,6 +33,9 @@ def test_function_names_round_trip():
     for kind in FunctionKind:
         assert parse_function_name(f"{kind.value}_bs12") == (kind, 12)
     assert parse_function_name("prefill_bs0") is None and parse_function_name("main") is None
+    assert parse_function_name(fixed_decode_name(4, 512)) == (FunctionKind.DECODE, 4)
+    assert fixed_decode_context("decode_bs4_ctx512") == 512 and fixed_decode_context("decode_bs4") is None
+    assert parse_function_name("prefill_bs4_ctx512") is None
 
 
 def signatures(mlir_text: str) -> dict[str, list[tuple[str, str]]]:

@@ -18,9 +18,11 @@ from kiln.export.compile import CPU_KERNELS_OBJECT, compile_vmfb, run_iree_compi
 from kiln.export.export_model import build_model
 from kiln.export.options import ExportOptions
 from kiln.models.loader import load_checkpoint
-from kiln.runtime.contract import Artifacts
+from kiln.runtime.config import load_model_config
+from kiln.runtime.contract import CONFIG_FILE, Artifacts
 from kiln.runtime.errors import ExportError
 from kiln.runtime.program import Program
+from tests.compiled_module import compiled_functions, replays_a_recorded_command_buffer
 from tests.conftest import TINY_EXPORT_ARGS, _export_and_compile, run_kiln
 from tests.eager_paged import EagerSequence
 from tests.paged_driver import PagedDriver, relative_error
@@ -278,10 +280,38 @@ def test_one_row_matmuls_dispatch_the_kernel_and_the_object_ships_beside_the_mli
 
 def test_decode_reads_the_kv_pages_in_place(kernel_artifacts):
     """Every layer of every decode function calls the in-place attention kernel (2 layers, decode at
-    batch 1 and 4); prefill keeps the page gather."""
+    batch 1 and 4, each with its fixed-shape twin); prefill keeps the page gather."""
     mlir = (kernel_artifacts / "model.mlir").read_text()
-    assert mlir.count("util.call @kiln_paged_decode_attention_") == 2 * 2
+    assert mlir.count("util.call @kiln_paged_decode_attention_") == 2 * 2 * 2
     assert "util.call @kiln_gather_pages_" in mlir
+
+
+def test_the_fixed_shape_decode_replays_a_command_buffer_recorded_once(kernel_artifacts):
+    """With in-place attention the export adds decode_bs<N>_ctx<max_seq_len>, every shape fixed:
+    in the compiled module its call loads a command buffer the module recorded when it loaded, where
+    decode_bs<N> records one on every call. It returns what decode_bs<N> returns, bit for bit, and
+    is what the server calls while its cache has the export's page count."""
+    params, kiln = load_model_config(kernel_artifacts / CONFIG_FILE)
+    assert kiln.decode_buckets == [params.max_seq_len] == [256]
+    functions = compiled_functions(kernel_artifacts / "model_cpu.vmfb")
+    for batch in params.decode_batch_sizes:
+        assert replays_a_recorded_command_buffer(functions, f"decode_bs{batch}_ctx256")
+        assert not replays_a_recorded_command_buffer(functions, f"decode_bs{batch}")
+
+    program = Program(Artifacts.in_directory(kernel_artifacts))
+    abi = program.capabilities
+    assert abi.decode_function(4, 200, params.paged_kv_cache.device_block_count) == ("decode_bs4_ctx256", 16)
+    assert abi.decode_function(4, 200, 65) == ("decode_bs4", 13)  # another cache size: the dynamic decode
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(4, 384, n).tolist() for n in (40, 3, 77)]
+    driver = PagedDriver(program)
+    seqs = driver.new_sequences(3, 96)
+    logits = driver.prefill(seqs, prompts, batch=4)
+    tokens = [int(logits[row, len(p) - 1].argmax()) for row, p in enumerate(prompts)]
+    positions = [len(p) for p in prompts]
+    fixed = driver.decode(seqs, tokens, positions, batch=4)
+    dynamic = driver.decode(seqs, tokens, positions, batch=4, dynamic=True)
+    np.testing.assert_array_equal(fixed, dynamic)
 
 
 def test_an_export_with_the_kernels_compiles_for_this_cpu_only(kernel_artifacts, tmp_path):

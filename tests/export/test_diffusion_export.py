@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.export.export_model import build_model
+from kiln.export.export_model import build_model, with_decode_buckets
 from kiln.export.options import ExportOptions
 from kiln.models.loader import load_checkpoint
 from kiln.runtime.contract import Artifacts
+from kiln.runtime.errors import ExportError
 from kiln.runtime.diffusion.commit import confidence
 from kiln.runtime.program import Program
 from tests.conftest import run_kiln
@@ -62,6 +63,14 @@ def test_the_config_records_the_model_kind(tiny_llada_artifacts, tiny_dream_arti
         assert kiln["denoise_top"] is True
         functions = Program(Artifacts.in_directory(artifacts)).functions.keys()
         assert functions == {"denoise_bs1", "denoise_bs4", "denoise_top_bs1", "denoise_top_bs4"}
+        assert kiln["decode_buckets"] == []
+
+
+def test_decode_buckets_are_refused_for_a_diffusion_lm(tiny_llada_hf):
+    checkpoint = load_checkpoint(tiny_llada_hf)
+    with pytest.raises(ExportError, match="no decode functions"):
+        with_decode_buckets(checkpoint, ExportOptions(decode_buckets=(256,)).validate(256))
+    assert with_decode_buckets(checkpoint, ExportOptions(cpu_kernels=True).validate(256)).decode_buckets == ()
 
 
 def test_a_full_pass_is_the_bidirectional_forward(exported):

@@ -9,9 +9,12 @@ import torch
 
 from kiln.export.export_model import build_model
 from kiln.export.options import ExportOptions
+from kiln.runtime.config import load_model_config
 from kiln.runtime.contract import Artifacts
 from kiln.runtime.program import Program
-from tests.conftest import run_kiln
+from tests.compiled_module import compiled_functions, replays_a_recorded_command_buffer
+from tests.conftest import TINY_EXPORT_ARGS, _export_and_compile, run_kiln
+from tests.export.test_contract import signatures
 from tests.paged_driver import PagedDriver, call_ms, relative_error
 
 pytestmark = pytest.mark.e2e
@@ -93,6 +96,42 @@ def test_prefill_last_returns_each_rows_last_logits(program, reference):
 def test_gguf_export_matches_reference(tiny_gguf_artifacts, reference):
     program = Program(Artifacts.in_directory(tiny_gguf_artifacts))
     check_generation(program, reference, [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]], batch=4, steps=2)
+
+
+@pytest.fixture(scope="module")
+def bucket_artifacts(tiny_hf_dir, tmp_path_factory):
+    """The tiny model (attention gathering its pages) with fixed-shape decodes for 32 and 256 tokens."""
+    return _export_and_compile(tiny_hf_dir, tmp_path_factory.mktemp("tiny-buckets"),
+                               [*TINY_EXPORT_ARGS, "--decode-buckets", "32,256"])
+
+
+def test_fixed_shape_decode_buckets_match_the_reference(bucket_artifacts, reference, monkeypatch):
+    """decode_bs<N>_ctx32 and _ctx256 take static shapes, replay a command buffer recorded at load,
+    and give the reference's logits; the server's choice moves from one to the next as the rows
+    grow past 32 tokens."""
+    functions = signatures((bucket_artifacts / "model.mlir").read_text())
+    page_elems = load_model_config(bucket_artifacts / "model.json")[0].page_elems
+    assert functions["decode_bs4_ctx32"][3:] == [("4,2", "si64"), (f"64,{page_elems}", "f32")]
+    assert functions["decode_bs4_ctx256"][3] == ("4,16", "si64")
+    compiled = compiled_functions(bucket_artifacts / "model_cpu.vmfb")
+    for name in ("decode_bs1_ctx32", "decode_bs1_ctx256", "decode_bs4_ctx32", "decode_bs4_ctx256"):
+        assert replays_a_recorded_command_buffer(compiled, name), name
+    program = Program(Artifacts.in_directory(bucket_artifacts))
+    called = []
+    invoke = program.invoke
+    monkeypatch.setattr(program, "invoke", lambda name, *args: called.append(name) or invoke(name, *args))
+    check_generation(program, reference, [[5, 9, 200, 31, 7] * 5 + [3], [2, 7, 1, 8]], batch=4, steps=8)
+    decodes = [name for name in called if name.startswith("decode")]
+    assert decodes == ["decode_bs4_ctx32"] * 6 + ["decode_bs4_ctx256"] * 2
+
+
+def test_fixed_shape_decode_buckets_compile_for_gpus_recorded_once(bucket_artifacts, tmp_path):
+    out = tmp_path / "model_cuda.vmfb"
+    run_kiln("compile-vmfb", str(bucket_artifacts / "model.mlir"), "--target", "cuda", "--arch", "sm_80",
+             "-o", str(out))
+    compiled = compiled_functions(out)
+    assert replays_a_recorded_command_buffer(compiled, "decode_bs4_ctx256")
+    assert not replays_a_recorded_command_buffer(compiled, "decode_bs4")
 
 
 def test_config_is_shortfin_compatible(tiny_artifacts):

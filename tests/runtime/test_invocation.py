@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -43,6 +45,22 @@ def test_decode_argument_order_differs_from_prefill():
     tokens, seq_lens, starts, table = inv.arguments
     assert inv.function == "decode_bs2" and tokens.tolist() == [[7], [9]]
     assert seq_lens.tolist() == [4, 9] and starts.tolist() == [3, 8] and table.shape == (2, 3)
+
+
+def test_decode_calls_the_smallest_fixed_shape_bucket_that_fits_the_cache_and_the_rows():
+    abi = replace(ABI, decode_buckets=(16, 64), fixed_page_count=8)
+    decode = batch(Phase.DECODE, 2, tokens=((7,), (9,)), starts=(3, 8), tables=((1,), (2, 3, 4)))
+    inv = build_invocation(decode, abi, 8, 32)
+    table = inv.arguments[3]
+    assert inv.function == "decode_bs2_ctx16" and table.tolist() == [[1, 0, 0, 0], [2, 3, 4, 0]]
+    longer = batch(Phase.DECODE, 2, tokens=((7,), (9,)), starts=(3, 16), tables=((1,), (2, 3, 4, 5, 6)))
+    inv = build_invocation(longer, abi, 8, 32)
+    assert inv.function == "decode_bs2_ctx64" and inv.arguments[3].shape == (2, 16)
+    # A cache of another size than the export's: the decode whose shapes are dynamic.
+    inv = build_invocation(decode, abi, 9, 32)
+    assert inv.function == "decode_bs2" and inv.arguments[3].shape == (2, 3)
+    # Rows longer than every bucket: the same.
+    assert replace(ABI, decode_buckets=(16,), fixed_page_count=8).decode_function(2, 17, 8) == ("decode_bs2", 5)
 
 
 def test_an_export_without_start_positions_gets_no_start_argument():

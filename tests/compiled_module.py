@@ -1,0 +1,38 @@
+"""A compiled module's VM code, as iree-dump-module prints it, read for what tests check in it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+from benchmarks.profile_step import tool
+
+_RECORDED_LOAD = re.compile(r"vm\.global\.load\.ref \S+ : !hal\.command_buffer")
+
+
+def compiled_functions(vmfb: Path) -> dict[str, str]:
+    """Each function of a compiled module, by name, its VM code (a module may hold two __init
+    functions: theirs are joined)."""
+    dump = subprocess.run([tool("iree-dump-module"), str(vmfb)], capture_output=True, text=True, check=True).stdout
+    functions, name = {}, None
+    for line in dump.splitlines():
+        if line.startswith("vm.func @"):
+            name = line[len("vm.func @"):].split("(")[0]
+            functions.setdefault(name, "")
+        elif line.startswith(("vm.export", "vm.rodata", "vm.global", "vm.import")):
+            name = None
+        elif name is not None:
+            functions[name] += line + "\n"
+    return functions
+
+
+def replays_a_recorded_command_buffer(functions: dict[str, str], name: str) -> bool:
+    """Whether a call of `name` submits a command buffer the module recorded once (a global its
+    initializers filled) rather than recording one itself on every call. The work of an ABI
+    function is in its `$async` form, which the synchronous one wraps."""
+    body = functions[f"{name}$async"]
+    recorded_here = "hal.command_buffer.create" in body
+    recorded_at_load = any("hal.command_buffer.create" in code for function, code in functions.items()
+                           if not function.startswith(("decode_", "prefill_", "denoise_")))
+    return not recorded_here and bool(_RECORDED_LOAD.search(body)) and recorded_at_load
