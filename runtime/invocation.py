@@ -73,9 +73,10 @@ def build_invocation(batch: Batch, abi: Capabilities, page_count: int, vocab_siz
         tokens[row, : len(chunk)] = chunk
         starts[row] = start
         seq_lens[row] = seq_len
-    blocks = -(-int(seq_lens.max()) // stride)
     if kind is FunctionKind.DECODE:
         name, blocks = abi.decode_function(rows, int(seq_lens.max()), page_count)
+    else:
+        blocks = -(-int(seq_lens.max()) // stride)
     table = np.zeros((rows, blocks), np.int64)
     for row, pages in enumerate(batch.block_tables):
         pages = pages[:blocks]
