@@ -1,8 +1,8 @@
 """Kiln on a CUDA GPU: parity with its CPU build and offline figures against eager PyTorch
 (Hugging Face transformers) on the same GPU, for the bundled model's shapes.
 
-    python -m benchmarks.gpu_bench prepare -o DIR      # here: build, and CPU references
-    python -m benchmarks.gpu_bench run DIR --output F  # on the GPU machine
+    python -m benchmarks.gpu_bench prepare -o DIR [--decode-buckets 256]  # here: build, CPU references
+    python -m benchmarks.gpu_bench run DIR --output F                     # on the GPU machine
 
 A GPU machine may hold neither the weights nor a way to fetch them, and the weights are
 hundreds of MB while the compiled modules are a few. So `prepare` packs, per precision, the
@@ -30,8 +30,13 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.report import fixed_decode_table
+
 # name -> (Kiln's export dtype, the PyTorch peer's dtype)
 PRECISIONS = {"f32": ("float32", "float32"), "bf16": ("bfloat16", "bfloat16")}
+# With `prepare --decode-buckets`, each fixed-shape decode against its decode_bs<N> in this many
+# alternating pairs (fixed_decode_bench's comparison) on the GPU.
+FIXED_DECODE_PAIRS = 200
 PARITY_PROMPTS = 4
 PARITY_PROMPT_TOKENS = 24
 PARITY_TOKENS = 16
@@ -99,9 +104,13 @@ def _artifacts(directory: Path, target: str):
     return Artifacts.in_directory(directory, target)
 
 
-def prepare(out: Path) -> None:
+def prepare(out: Path, decode_buckets: tuple[int, ...] = ()) -> None:
     """Build each precision for the CPU and CUDA, pack what the GPU run needs, and
-    record the CPU module's greedy tokens on the synthetic parameters."""
+    record the CPU module's greedy tokens on the synthetic parameters.
+
+    The build is `kiln serve`'s for a GPU (its decodes take dynamic shapes); `decode_buckets`
+    adds fixed-shape decodes of those context lengths, which every figure of `run` then goes
+    through where a row's context fits (and `run` compares them with decode_bs<N>)."""
     from benchmarks.kiln_offline import build_in_child
     from benchmarks.peers import weights
 
@@ -109,8 +118,10 @@ def prepare(out: Path) -> None:
     shutil.copy(weights.hf_dir() / "config.json", out / "hf_config.json")
     for name, (dtype, _) in PRECISIONS.items():
         # CUDA at the default arch (sm_80): its PTX, which the driver compiles for the GPU at hand.
-        built = build_in_child(f"default_build_options({dtype!r}, quantize='none', cpu_kernels=False)",
-                               targets=("cpu", "cuda"))
+        options = f"default_build_options({dtype!r}, quantize='none', cpu_kernels=False)"
+        if decode_buckets:
+            options = f"replace({options}, decode_buckets={decode_buckets!r})"
+        built = build_in_child(options, targets=("cpu", "cuda"))
         package = out / name
         package.mkdir(exist_ok=True)
         # The CPU module too: `run --device local-task` tries the whole run here first.
@@ -149,6 +160,9 @@ def run(packed: Path, device: str, output: Path | None) -> int:
         agree = [_first_difference(e, g) for e, g in zip(expected, got)]
         print(f"{name}: greedy tokens equal to the CPU build's for {agree} of {PARITY_TOKENS}", file=sys.stderr)
         kiln = measure(package, device=device)
+        fixed = fixed_decode_pairs(package, device)
+        if fixed:
+            print(f"{name}: fixed-shape decode against decode_bs<N> {fixed}", file=sys.stderr)
         with tempfile.TemporaryDirectory() as hf:
             shutil.copy(packed / "hf_config.json", Path(hf) / "config.json")
             peer = subprocess.run(
@@ -157,7 +171,7 @@ def run(packed: Path, device: str, output: Path | None) -> int:
                 check=True, stdout=subprocess.PIPE, text=True)
         torch_figures = json.loads(peer.stdout.strip().splitlines()[-1])
         results["precisions"][name] = {"kiln": kiln, "torch": torch_figures, "tokens_equal_to_cpu": agree,
-                                       "tokens_compared": PARITY_TOKENS}
+                                       "tokens_compared": PARITY_TOKENS, **({"fixed_decode": fixed} if fixed else {})}
         # float32 on both sides: greedy tokens match the CPU build's; bf16 rounds differently per
         # reduction order, so its agreement is reported, not required.
         failed |= name == "f32" and min(agree) < PARITY_TOKENS
@@ -173,6 +187,23 @@ def run(packed: Path, device: str, output: Path | None) -> int:
     if output:
         output.write_text(json.dumps(results, indent=2) + "\n")
     return 1 if failed else 0
+
+
+def fixed_decode_pairs(package: Path, device: str) -> dict | None:
+    """Each batch's fixed-shape decode against its decode_bs<N> on `device`, in alternating pairs
+    over a cache of the export's page count (fixed_decode_bench's comparison); None for a
+    build without fixed-shape decodes."""
+    from benchmarks import fixed_decode_bench, precision_bench
+    from kiln.runtime.config import load_model_config
+    from kiln.runtime.contract import device_target
+
+    params, kiln = load_model_config(package / "model.json")
+    if not (kiln and kiln.decode_buckets):
+        return None
+    calls = precision_bench.Calls(package, device, pages=params.paged_kv_cache.device_block_count)
+    exact = device_target(device) == "cpu"
+    return {f"bs{batch}": fixed_decode_bench.compare(calls, batch, FIXED_DECODE_PAIRS, exact)
+            for batch in precision_bench.DECODE_BATCHES}
 
 
 def _post(url: str, body: dict) -> tuple[int, bytes]:
@@ -227,6 +258,9 @@ def report(results: dict) -> str:
         rows.append(f"| {name} | kiln / torch | {k['decode_bs1_tok_s'] / t['decode_bs1_tok_s']:.2f}x | "
                     f"{k['decode_bs8_tok_s'] / t['decode_bs8_tok_s']:.2f}x | "
                     f"{t['prefill_128_ms'] / k['prefill_128_ms']:.2f}x | {t['prefill_512_ms'] / k['prefill_512_ms']:.2f}x |")
+    fixed = {name: entry["fixed_decode"] for name, entry in results["precisions"].items() if "fixed_decode" in entry}
+    if fixed:
+        rows += ["", fixed_decode_table({"results": fixed})]
     return "\n".join(rows)
 
 
@@ -235,13 +269,20 @@ def main() -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare")
     p.add_argument("-o", "--output", type=Path, required=True)
+    p.add_argument("--decode-buckets", default="",
+                   help="fixed-shape decodes of these context lengths (comma-separated multiples of 16), "
+                   "compared with decode_bs<N> on the GPU")
     r = sub.add_parser("run")
     r.add_argument("packed", type=Path)
     r.add_argument("--device", default="cuda")
     r.add_argument("--output", type=Path)
     args = parser.parse_args()
     if args.command == "prepare":
-        prepare(args.output)
+        try:
+            buckets = tuple(int(t) for t in args.decode_buckets.split(",") if t)
+        except ValueError:
+            parser.error(f"--decode-buckets takes context lengths such as 256,1024, not {args.decode_buckets!r}")
+        prepare(args.output, buckets)
         return 0
     return run(args.packed, args.device, args.output)
 

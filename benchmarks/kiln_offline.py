@@ -39,11 +39,12 @@ def label(dtype: str, quantize: str = "none") -> str:
 
 
 def build_in_child(options: str, targets: tuple[str, ...] = ("cpu",)) -> Path:
-    """The bundled model exported with `options` (Python source building ExportOptions) and
-    compiled for `targets` at their default archs, into Kiln's keyed cache (built once), in a
-    child process."""
+    """The bundled model exported with `options` (Python source building ExportOptions; it may
+    call default_build_options and dataclasses' replace) and compiled for `targets` at their
+    default archs, into Kiln's keyed cache (built once), in a child process."""
     code = (
         "import sys\n"
+        "from dataclasses import replace\n"
         "from kiln.export.build import build, default_build_options\n"
         "from kiln.export.options import ExportOptions\n"
         f"out = build(None, {options}, {list(targets)!r}, log=lambda m: print(m, file=sys.stderr))\n"

@@ -79,13 +79,16 @@ def resident_mib() -> float:
 class Calls:
     """One precision's compiled program and the calls a round times."""
 
-    def __init__(self, artifacts: Path):
-        from kiln.runtime.contract import Artifacts
+    def __init__(self, artifacts: Path, device: str = "local-task", pages: int = PAGES):
+        """`pages`: the cache's size; a fixed-shape decode is called only where it is the
+        export's page count (precision_bench's builds are exported for PAGES)."""
+        from kiln.runtime.contract import Artifacts, device_target
         from kiln.runtime.program import Program
 
         before = resident_mib()
-        self.program = Program(Artifacts.in_directory(artifacts))
-        self.cache = self.program.allocate_cache(PAGES)
+        self.program = Program(Artifacts.in_directory(artifacts, device_target(device)), device)
+        self.pages = pages
+        self.cache = self.program.allocate_cache(pages)
         stride = self.program.params.block_seq_stride
         rng = np.random.default_rng(0)
         self.prompt = rng.integers(300, 40000, (1, PREFILL_TOKENS))
@@ -106,7 +109,7 @@ class Calls:
     def decode_call(self, batch: int, context: int, tables: np.ndarray) -> tuple[str, np.ndarray]:
         """The decode the server would call for rows of `context` tokens, and `tables` cut or
         padded to the width it takes."""
-        name, blocks = self.program.capabilities.decode_function(batch, context, PAGES)
+        name, blocks = self.program.capabilities.decode_function(batch, context, self.pages)
         wide = np.zeros((batch, max(blocks, tables.shape[1])), np.int64)
         wide[:, :tables.shape[1]] = tables[:batch]
         return name, wide[:, :blocks]

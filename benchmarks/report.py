@@ -121,6 +121,17 @@ def precision_table(precision: dict) -> str:
     return "\n".join(lines)
 
 
+def fixed_decode_table(fixed: dict) -> str:
+    """The fixed step: each decode through its fixed-shape function and through decode_bs<N>."""
+    lines = ["| weights | batch | fixed-shape decode (ms) | decode_bs<N> (ms) | fixed speed-up |",
+             "|---|---:|---:|---:|---:|"]
+    for name, rows in fixed["results"].items():
+        for batch, row in rows.items():
+            lines.append(f"| {PRECISION_LABELS.get(name, name)} | {batch.removeprefix('bs')} | {row['fixed_ms']:.2f} | "
+                         f"{row['dynamic_ms']:.2f} | {row['speedup']:.2f}x |")
+    return "\n".join(lines)
+
+
 def precision_targets(results: dict) -> list[tuple[str, str, bool | None]]:
     """The weight-precision targets: decode at batch 1 and 8 and prefill beside llama.cpp at the
     same precision, bf16 over Kiln's f32, each precision's share of its bandwidth floor, and
@@ -269,6 +280,12 @@ def tables(results: dict) -> str:
                   "weights) as medians of per-round ratios, decode in tokens/s over 128 generated tokens, "
                   f"prefill as Kiln's time over llama.cpp's; floors at {read_gb_s:.1f} GB/s:", "",
                   precision_table(results["precision"])]
+    if results.get("fixed_decode"):
+        fixed = results["fixed_decode"]
+        parts += ["", f"A decode step at {fixed['context']} tokens of context through its fixed-shape function "
+                  "(its command buffer recorded once, at load) and through decode_bs<N> (recorded on every "
+                  f"call), in one program: medians of {fixed['pairs']} alternating pairs, the speed-up the "
+                  "median of the per-pair ratios:", "", fixed_decode_table(fixed)]
     for paired in paired_summaries(results):
         if paired.get("rounds"):
             parts += ["", f"Concurrency 16, {paired['engines'][0]} and {paired['engines'][1]} in alternating rounds "

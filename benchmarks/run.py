@@ -2,7 +2,7 @@
 same model (SmolLM2-135M-Instruct), same moment.
 
     python -m benchmarks.run                       # everything (peers set up on first use)
-    python -m benchmarks.run --steps offline       # a part: membw, offline, precision, serving, paired, prefix, runtimes
+    python -m benchmarks.run --steps offline       # a part: membw, offline, precision, fixed, serving, paired, prefix, runtimes
     python -m benchmarks.run --engines kiln        # Kiln only (no peers)
 
 Writes benchmarks/results/<date>.json, PNG plots beside it (stable names, so the links in
@@ -25,12 +25,12 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks import kiln_offline, membw, precision_bench, report
+from benchmarks import fixed_decode_bench, kiln_offline, membw, precision_bench, report
 from benchmarks.peers.common import free_port, heavy_lock, log, stop_process, wait_http
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
-ALL_STEPS = ("membw", "offline", "precision", "serving", "paired", "prefix", "runtimes")
+ALL_STEPS = ("membw", "offline", "precision", "fixed", "serving", "paired", "prefix", "runtimes")
 ALL_ENGINES = ("kiln", "llama.cpp", "transformers", "shortfin")
 SLOW_ENGINES = ("shortfin",)
 PAIRED_CONCURRENCY = 16  # the serving target's load
@@ -153,6 +153,14 @@ def step_precision(results: dict, args) -> None:
         log(f"precision: building SmolLM2 with {name} weights")
         artifacts[name] = precision_bench.build(**precision_bench.PRECISIONS[name])
     results["precision"] = precision_bench.measure(artifacts, args.precision_rounds, "llama.cpp" in args.engines)
+
+
+def step_fixed(results: dict, args) -> None:
+    """Each decode through its fixed-shape function against decode_bs<N>, in alternating pairs in
+    one program (benchmarks/fixed_decode_bench.py): what recording the command buffer once is worth."""
+    if "kiln" not in args.engines or args.fixed_pairs < 1:
+        return
+    results["fixed_decode"] = fixed_decode_bench.measure(fixed_decode_bench.DEFAULT_PRECISIONS, args.fixed_pairs)
 
 
 def best_of_rounds(rounds: list[dict]) -> dict:
@@ -333,8 +341,8 @@ def step_runtimes(results: dict, args) -> None:
         results["kiln_on_shortfin_vmfb"] = {"error": traceback.format_exc(limit=3)}
 
 
-STEPS = {"membw": step_membw, "offline": step_offline, "precision": step_precision, "serving": step_serving,
-         "paired": step_paired, "prefix": step_prefix, "runtimes": step_runtimes}
+STEPS = {"membw": step_membw, "offline": step_offline, "precision": step_precision, "fixed": step_fixed,
+         "serving": step_serving, "paired": step_paired, "prefix": step_prefix, "runtimes": step_runtimes}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -352,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precisions", default=",".join(precision_bench.DEFAULT_PRECISIONS),
                         help=f"the 'precision' step's weights, f32 among them; any of {', '.join(precision_bench.PRECISIONS)}")
     parser.add_argument("--precision-rounds", type=int, default=4, help="rounds of the 'precision' step")
+    parser.add_argument("--fixed-pairs", type=int, default=300,
+                        help="alternating pairs of the 'fixed' step, per precision and batch size")
     parser.add_argument("--paired", default=DEFAULT_PAIRS,
                         help="the 'paired' step's pairs of servers, alternated at concurrency 16: "
                         "'A,B' for one pair, pairs separated by ';'")

@@ -74,5 +74,7 @@ def test_torch_peer_builds_a_model_from_a_config_alone(tiny_hf_dir, tmp_path):
 def test_report_puts_kiln_over_torch():
     figures = {"decode_bs1_tok_s": 100.0, "decode_bs8_tok_s": 400.0, "prefill_128_ms": 2.0, "prefill_512_ms": 4.0}
     slower = {"decode_bs1_tok_s": 50.0, "decode_bs8_tok_s": 400.0, "prefill_128_ms": 4.0, "prefill_512_ms": 4.0}
-    table = gpu_bench.report({"precisions": {"f32": {"kiln": figures, "torch": slower}}})
+    fixed = {"bs1": {"fixed": "decode_bs1_ctx256", "fixed_ms": 1.5, "dynamic_ms": 6.0, "speedup": 4.0}}
+    table = gpu_bench.report({"precisions": {"f32": {"kiln": figures, "torch": slower, "fixed_decode": fixed}}})
     assert "| f32 | kiln / torch | 2.00x | 1.00x | 2.00x | 1.00x |" in table
+    assert "| f32 | 1 | 1.50 | 6.00 | 4.00x |" in table

@@ -193,3 +193,11 @@ def test_each_paired_precision_gets_its_serving_targets():
     assert "kiln q8_0 and llama.cpp q8_0 in alternating rounds" in text and "kiln f32 and llama.cpp f32" in text
     # A results file written when the step took one pair holds it as a dict.
     assert report.paired_summaries({"paired": results["paired"][0]}) == [results["paired"][0]]
+
+
+def test_fixed_decode_step_gets_its_table():
+    fixed = {"context": 128, "pairs": 300, "results": {
+        "q8_0": {"bs1": {"fixed": "decode_bs1_ctx1024", "fixed_ms": 6.5, "dynamic_ms": 7.0, "speedup": 1.07}}}}
+    text = report.tables({"fixed_decode": fixed})
+    assert "medians of 300 alternating pairs" in text
+    assert "| Q8_0 | 1 | 6.50 | 7.00 | 1.07x |" in text
