@@ -11,7 +11,7 @@ repeated calls. Greedy tokens are checked equal across the three.
 All devices here share one CPU socket (two cores on the development machine), so no speed-up
 is expected: the devices take turns on the same cores, and TP adds a reduce per layer; IREE 3.13
 also compiles these modules without CPU data tiling, and the TP one with its cache copied per
-call (README, "Tensor and pipeline parallelism"). The figures are for the record and for a first
+call (docs/parallelism.md, "Tensor and pipeline parallelism"). The figures are for the record and for a first
 multi-GPU run. The JSON goes to
 benchmarks/results/parallel-<date>.json.
 """

@@ -29,7 +29,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true")
     group.add_argument("--logprobs", type=int, help="print the chosen token's logprob and this many alternatives")
-    diffusion = parser.add_argument_group("diffusion LMs (LLaDA, Dream): see the README")
+    diffusion = parser.add_argument_group("diffusion LMs (LLaDA, Dream): see docs/diffusion.md")
     diffusion.add_argument("--steps", type=int, help="passes of the fixed schedule (default: one token per pass)")
     diffusion.add_argument("--block-length", type=int, help="semi-autoregressive block (default: 32)")
     diffusion.add_argument("--remasking", choices=REMASKING)

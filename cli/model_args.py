@@ -31,7 +31,8 @@ def positive_int(text: str) -> int:
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model (default: the bundled SmolLM2-135M-Instruct, built on first use)")
     group.add_argument("--artifacts", type=Path, help="a directory from `kiln build` / `kiln export-model` + compile")
-    group.add_argument("--vmfb", type=Path)
+    group.add_argument("--vmfb", type=Path, help="the compiled module (with --params, --config, --tokenizer: "
+                       "files of a build kept apart)")
     group.add_argument("--params", type=Path, help="the model's .irpa")
     group.add_argument("--config", type=Path, help="the model's model.json")
     group.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: beside the config)")
@@ -41,9 +42,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-dtype", choices=DTYPES, default="",
                        help="with --model or the default model: the KV cache's element type (default: --dtype)")
     group.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=QUANTIZE_CHOICES[0],
-                       help="with --model or the default model: weights stored as bf16, int8 with a scale per "
-                       "output row, or int8 in Q8_0's blocks (activations stay float32); auto (default): a Q8_0 "
-                       "or BF16 GGUF's weights as stored")
+                       help="with --model or the default model, how the weight matmuls are stored (activations "
+                       "and the KV cache stay float32): none: float32; bf16; int8: 8 bits with a scale per output "
+                       "row; q8_0 / q4_0 / q4_1: llama.cpp's 32-weight blocks of 8 or 4 bits; gguf: a GGUF's own "
+                       "blocks as stored (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K); auto (default): a GGUF's or "
+                       "BF16 checkpoint's weights as stored where Kiln reads them, float32 otherwise (the bundled "
+                       "model: its Q4_1)")
     group.add_argument("--tensor-parallel", "--tensor-parallel-size", type=positive_int, default=1,
                        help="with --model or the default model: shard each layer over this many devices")
     group.add_argument("--pipeline-parallel", "--pipeline-parallel-size", type=positive_int, default=1,

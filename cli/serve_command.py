@@ -63,8 +63,9 @@ def add_command(commands) -> None:
     add_model_arguments(parser)
     settings = ServerSettings()
     server = parser.add_argument_group("server")
-    server.add_argument("--host", default=settings.host)
-    server.add_argument("--port", type=int, default=settings.port)
+    server.add_argument("--host", default=settings.host, help="address to listen on (default: %(default)s; "
+                        "0.0.0.0: every interface)")
+    server.add_argument("--port", type=int, default=settings.port, help="HTTP port (default: %(default)s)")
     server.add_argument("--served-model-name", nargs="+", metavar="NAME",
                         help="name(s) the API answers to (default: the model's)")
     server.add_argument("--chat-template", metavar="F", help="a Jinja chat template file (or the template itself)")
@@ -92,13 +93,18 @@ def add_command(commands) -> None:
                         help="open connections at once; beyond them new requests get 503 (default: %(default)s)")
     server.add_argument("--grace-period", type=_positive_float, default=settings.grace_seconds, metavar="S",
                         help="on SIGTERM/SIGINT, seconds in-flight requests get to finish (default: %(default)s)")
-    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    server.add_argument("--no-access-log", action="store_true")
+    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="default: %(default)s")
+    server.add_argument("--no-access-log", action="store_true", help="no log line per request")
     engine = parser.add_argument_group("engine")
     defaults = ServiceConfig()
-    engine.add_argument("--prefix-sharing", choices=PREFIX_SHARING, default=defaults.prefix_sharing)
+    engine.add_argument("--prefix-sharing", choices=PREFIX_SHARING, default=defaults.prefix_sharing,
+                        help="trie: requests that start alike share their cached KV pages (default); none: off")
     engine.add_argument("--max-queue", type=_non_negative_int, default=defaults.max_queue, metavar="N",
                         help="requests waiting before new ones get 503 (default: %(default)s)")
+    engine.add_argument("--grammar-compile-timeout", type=_positive_float, default=defaults.grammar_compile_seconds,
+                        metavar="SECONDS", help="longest a request's structured-output grammar may take to compile "
+                        "(off the event loop) before the request gets a 400 (default: %(default)s)")
     engine.add_argument("--max-running", type=_positive_int, default=defaults.max_running, metavar="N",
                         help="sequences decoding at once (default: %(default)s)")
     engine.add_argument("--max-prefill-tokens", type=_non_negative_int, default=defaults.prefill_token_budget,
@@ -221,10 +227,13 @@ def second_model_artifacts(args, path: Path, label: str):
 
 
 def default_model_names(args, artifacts) -> list[str]:
+    """The names /v1/models lists, the first the model's: without --served-model-name, a model's
+    own name (its directory's, or its GGUF file's without the extension)."""
     if args.served_model_name:
         return list(args.served_model_name)
     if args.model:
-        return [str(args.model)]
+        model = Path(args.model)
+        return [model.stem if model.suffix.lower() == ".gguf" else model.resolve().name]
     if needs_build(args):
         from kiln.models.default_model import DEFAULT_MODEL_NAME
 
@@ -266,6 +275,8 @@ def run_serve(args) -> int:
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_topic=args.kv_events_topic,
         served_model_names=tuple(default_model_names(args, artifacts)),
+        # The path a model was given by is taken too, as vLLM would name the model by it.
+        model_aliases=(str(args.model),) if args.model and not args.served_model_name else (),
         chat_template=read_chat_template(args.chat_template),
         tool_call_parser=args.tool_call_parser,
         api_keys=tuple(k.strip() for k in api_keys),
@@ -287,6 +298,7 @@ def run_serve(args) -> int:
         page_count=args.kv_cache_pages,
         max_running=args.max_running,
         max_queue=args.max_queue,
+        grammar_compile_seconds=args.grammar_compile_timeout,
         prefill_token_budget=args.max_prefill_tokens,
         apd_verifier=verifier_artifacts(args),
         speculative=speculative_config(args),

@@ -18,6 +18,8 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
 }
+# The diffusion LMs' config.json architectures (diffusion_loader.py loads them).
+DIFFUSION_ARCHITECTURES = {"LLaDAModelLM": "llada", "DreamModel": "dream"}
 
 
 @dataclass

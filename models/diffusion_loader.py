@@ -14,10 +14,9 @@ import numpy as np
 from kiln.runtime.errors import ModelLoadError
 
 from .checkpoint import Checkpoint
-from .config import LlamaConfig
+from .config import DIFFUSION_ARCHITECTURES, LlamaConfig
 from .hf_loader import checkpoint_with_tokenizer, llama_config, read_json, read_safetensors
 
-DIFFUSION_ARCHITECTURES = {"LLaDAModelLM": "llada", "DreamModel": "dream"}
 MASK_TOKEN_IDS = {"llada": 126336, "dream": 151666}  # upstream's defaults
 _DISPLAY = {"llada": "LLaDA", "dream": "Dream"}
 

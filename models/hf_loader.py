@@ -14,7 +14,7 @@ import numpy as np
 from kiln.runtime.errors import ModelLoadError
 
 from .checkpoint import Checkpoint
-from .config import SUPPORTED_ARCHITECTURES, LlamaConfig
+from .config import DIFFUSION_ARCHITECTURES, SUPPORTED_ARCHITECTURES, LlamaConfig
 
 
 def read_json(path: Path) -> dict:
@@ -35,8 +35,6 @@ def config_from_hf(values: dict, name: str = "") -> LlamaConfig:
     architectures = values.get("architectures") or []
     known = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
     if not known:
-        from .diffusion_loader import DIFFUSION_ARCHITECTURES
-
         field = "architectures" if architectures else "model_type"
         found = ", ".join(architectures) or values.get("model_type", "unknown")
         runs = sorted(SUPPORTED_ARCHITECTURES) + sorted(DIFFUSION_ARCHITECTURES)
@@ -131,13 +129,10 @@ def read_safetensors(directory: Path) -> dict[str, np.ndarray]:
     return load_tensors(_safetensor_files(directory))
 
 
-def load_hf_directory(directory: Path) -> Checkpoint:
-    from .diffusion_loader import diffusion_kind, load_diffusion_directory  # it builds on this module
-
+def load_hf_directory(directory: Path, values: dict | None = None) -> Checkpoint:
+    """An autoregressive model's HF directory; `values` is its config.json if already read."""
     directory = Path(directory)
-    values = read_json(directory / "config.json")
-    if diffusion_kind(values):
-        return load_diffusion_directory(directory, values)
+    values = read_json(directory / "config.json") if values is None else values
     config = config_from_hf(values, name=directory.name)
     return checkpoint_with_tokenizer(directory, config, _strip_prefix(read_safetensors(directory)))
 

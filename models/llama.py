@@ -6,7 +6,7 @@ same function with T new tokens at `start_pos`); `forward_reference` is a plain
 pass with no cache, the yardstick for the tests. A diffusion LM (LLaDA, Dream) is the
 same math without the causal mask: every position sees every other one.
 
-Cache layout (the export/runtime contract, the README's ABI section): `cache[pages, page_elems]`,
+Cache layout (the export/runtime contract, docs/abi.md): `cache[pages, page_elems]`,
 each page `[layers, 2 (k, v), kv_heads, block_seq_stride * head_dim]`: a K block is stored
 transposed, `[head_dim, block_seq_stride]`, a V block as `[block_seq_stride, head_dim]`
 (see forward_paged for why). Only the model reads inside a page; the runtime counts pages.

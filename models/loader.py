@@ -9,7 +9,8 @@ from kiln.runtime.errors import ModelLoadError
 from .checkpoint import Checkpoint
 from .default_model import DEFAULT_MODEL_NAME, default_model_path
 from .gguf_loader import load_gguf
-from .hf_loader import load_hf_directory
+from .diffusion_loader import diffusion_kind, load_diffusion_directory
+from .hf_loader import load_hf_directory, read_json
 
 
 def load_checkpoint(path: str | Path | None = None) -> Checkpoint:
@@ -22,7 +23,10 @@ def load_checkpoint(path: str | Path | None = None) -> Checkpoint:
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist")
     if path.is_dir():
-        return load_hf_directory(path)
+        values = read_json(path / "config.json")
+        if diffusion_kind(values):
+            return load_diffusion_directory(path, values)
+        return load_hf_directory(path, values)
     if path.suffix.lower() == ".gguf":
         return load_gguf(path)
     raise ModelLoadError(f"{path} is neither a Hugging Face model directory nor a .gguf file")

@@ -125,13 +125,17 @@ class Batcher:
         self._pending_aborts.clear()
 
     def _end(self, seqs, reason: str, error: str | None = None) -> None:
-        """Finish sequences from outside a step (abort, failure): pages back, last event out."""
+        """Finish sequences from outside a step (abort, failure): pages back, last event out.
+        Each costs O(log n) at most, so a request of many sequences ends in one pass."""
+        requests = {}
         for seq in seqs:
             if seq is None or seq.state is SequenceState.FINISHED:
                 continue
             self.scheduler.finish(seq, reason)
             self.outputs.finish(seq, reason, error)
-            self._forget_if_done(seq.request)
+            requests[seq.request.request_id] = seq.request
+        for request in requests.values():
+            self._forget_if_done(request)
 
     def _forget_if_done(self, request: Request) -> None:
         if request.finished:

@@ -8,6 +8,18 @@ other exception). Nothing here imports torch or iree.
 
 from __future__ import annotations
 
+import reprlib
+
+# A client's value as an error message quotes it: a few levels and items deep, never the
+# whole of a megabyte list or a value nested thousands of levels (whose repr would recurse).
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict, _SHOWN.maxstring, _SHOWN.maxother = 3, 6, 6, 60, 60
+
+
+def shown(value) -> str:
+    """`value`'s repr, cut short: for quoting a client's input in an error message."""
+    return _SHOWN.repr(value)
+
 
 class KilnError(Exception):
     """Something a user or client can act on; the subclasses say what."""

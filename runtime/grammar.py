@@ -7,25 +7,31 @@ directly. It is an optional dependency (the `structured` extra); without it, a r
 that asks for structured output gets a clear 400.
 
 A constraint is compiled once per distinct request (`GrammarCompiler` keeps an LRU of
-compiled grammars); each sequence gets its own matcher, which the sampler asks for the
-allowed tokens before each choice and tells the chosen token after it.
+compiled grammars), off the event loop; each sequence gets its own matcher, a copy of the
+compiled one, which the sampler asks for the allowed tokens before each choice and tells
+the chosen token after it.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, shown
+from .schema_checks import admits_finite_value
 
 # The kinds a request may ask for, as llguidance's grammar_from() names the formats.
 KINDS = {"json": "json_schema", "json_object": "json_schema", "regex": "regex", "choice": "choice",
          "grammar": "grammar", "lark": "lark"}
 _ANY_JSON_OBJECT = '{"type": "object"}'
+# Deeper than any schema people write, shallow enough that encoding it never hits Python's
+# recursion limit.
+MAX_NESTING = 128
 
 
 def grammar_engine_installed() -> bool:
@@ -44,23 +50,69 @@ class Constraint:
 
     @classmethod
     def of(cls, kind: str, value, param: str) -> "Constraint":
-        """From a request field's value (a schema may be a dict, a choice a list)."""
+        """From a request field's value (a schema may be a dict, a choice a list); a value of
+        the wrong type, unreadable JSON or one nested past MAX_NESTING is a 400 naming `param`."""
         if kind == "json_object":
             return cls(kind, _ANY_JSON_OBJECT, param)
-        if kind in ("json", "choice") and not isinstance(value, str):
+        if nesting_depth(value) > MAX_NESTING:
+            raise InvalidRequestError(f"{param} is nested more than {MAX_NESTING} levels deep", param=param)
+        if kind == "choice":
+            return cls(kind, json.dumps(_choices(value, param)), param)
+        if kind == "json" and isinstance(value, (dict, bool)):
             value = json.dumps(value)
         if not isinstance(value, str) or not value:
-            raise InvalidRequestError(f"{param} must be a non-empty {'string' if kind != 'choice' else 'list'}",
-                                      param=param)
-        if kind == "choice":
-            choices = json.loads(value)
-            if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
-                raise InvalidRequestError(f"{param} must be a non-empty list of strings", param=param)
+            expected = "a JSON schema (an object or its text)" if kind == "json" else "a non-empty string"
+            raise InvalidRequestError(f"{param} must be {expected}, got {shown(value)}", param=param)
+        if kind == "json":
+            _schema_text(value, param)
         return cls(kind, value, param)
 
 
+def nesting_depth(value, limit: int = MAX_NESTING) -> int:
+    """How deep lists and dicts nest in `value` (0 for a scalar), counted without recursion
+    and no further than limit + 1."""
+    depth, level = 0, [value]
+    while depth <= limit:
+        containers = [item for item in level if isinstance(item, (list, dict))]
+        if not containers:
+            break
+        depth += 1
+        level = [child for item in containers for child in (item.values() if isinstance(item, dict) else item)]
+    return depth
+
+
+def _choices(value, param: str) -> list[str]:
+    """A choice constraint's strings: a list, or a JSON list as text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            value = None
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+        raise InvalidRequestError(f"{param} must be a non-empty list of strings", param=param)
+    return value
+
+
+def _schema_text(text: str, param: str) -> None:
+    """A JSON schema given as text must read as JSON, within MAX_NESTING."""
+    try:
+        schema = json.loads(text)
+    except RecursionError:
+        raise InvalidRequestError(f"{param} is nested more than {MAX_NESTING} levels deep", param=param) from None
+    except ValueError as error:
+        raise InvalidRequestError(f"{param} is not JSON: {error}", param=param) from None
+    if nesting_depth(schema) > MAX_NESTING:
+        raise InvalidRequestError(f"{param} is nested more than {MAX_NESTING} levels deep", param=param)
+
+
 class GrammarCompiler:
-    """Turns Constraints into matchers for one tokenizer; compiled grammars are cached."""
+    """Turns Constraints into matchers for one tokenizer.
+
+    Compiling a grammar and building its first matcher can take seconds (a choice among
+    50,000 strings); llguidance lets go of the GIL meanwhile, so `compile` runs on a worker
+    thread while the event loop goes on. What it built is cached by the constraint's
+    content, refusals included, and each sequence's matcher is a copy of the cached one.
+    """
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int], cache_size: int = 256):
         import llguidance
@@ -69,36 +121,83 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                 eos_token=list(eos_token_ids) or None)
-        self._compiled: OrderedDict[Constraint, str] = OrderedDict()
+        # constraint -> its first matcher (copied for each sequence), or why it was refused
+        self._compiled: OrderedDict[Constraint, object] = OrderedDict()
         self._cache_size = cache_size
+        self._lock = threading.Lock()  # compile runs on worker threads; the cache is shared
 
-    def grammar(self, constraint: Constraint) -> str:
-        """The checked grammar text; InvalidRequestError (400) naming the field if it is not one."""
-        if constraint in self._compiled:
-            self._compiled.move_to_end(constraint)
-            return self._compiled[constraint]
-        llguidance = self._llguidance
+    def compiled(self, constraint: Constraint) -> bool:
+        """Whether `compile` would answer from the cache."""
+        with self._lock:
+            return constraint in self._compiled
+
+    def compile(self, constraint: Constraint):
+        """The constraint's first matcher, from the cache or built and checked now;
+        InvalidRequestError (400) naming the field if no output could satisfy it."""
+        with self._lock:
+            if constraint in self._compiled:
+                self._compiled.move_to_end(constraint)
+                found = self._compiled[constraint]
+                if isinstance(found, InvalidRequestError):
+                    raise found
+                return found
+        try:
+            found = self._build(constraint)
+        except InvalidRequestError as error:
+            found = error
+        with self._lock:
+            self._compiled[constraint] = found
+            if len(self._compiled) > self._cache_size:
+                self._compiled.popitem(last=False)
+        if isinstance(found, InvalidRequestError):
+            raise found
+        return found
+
+    def _build(self, constraint: Constraint):
+        llguidance, param = self._llguidance, constraint.param
         try:
             if KINDS[constraint.kind] == "json_schema":
+                if not admits_finite_value(json.loads(constraint.text)):
+                    raise InvalidRequestError(f"{param}: no finite JSON value satisfies this schema (a required "
+                                              "property, item or $ref leads back to itself)", param=param)
                 # Compact separators unless the schema's own x-guidance says otherwise: free
                 # whitespace lets a model pad its JSON without end.
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(
                     constraint.text, defaults={"whitespace_flexible": False})
+            elif constraint.kind == "choice":
+                # One regular expression, not a rule per string: the lexer takes any number of
+                # strings, where the parser refuses rows past 2,000 alternatives.
+                grammar = llguidance.grammar_from("regex", "|".join(map(_regex_literal, json.loads(constraint.text))))
             else:
                 grammar = llguidance.grammar_from(KINDS[constraint.kind], constraint.text)
         except (ValueError, TypeError) as error:
-            raise InvalidRequestError(f"{constraint.param}: {error}", param=constraint.param) from None
+            raise InvalidRequestError(f"{param}: {error}", param=param) from None
         problem = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if problem:
-            raise InvalidRequestError(f"{constraint.param}: {problem.splitlines()[0]}", param=constraint.param)
-        self._compiled[constraint] = grammar
-        if len(self._compiled) > self._cache_size:
-            self._compiled.popitem(last=False)
-        return grammar
+            raise InvalidRequestError(f"{param}: {first_line(problem)}", param=param)
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():  # not one token can begin the output
+            raise InvalidRequestError(f"{param}: no output can satisfy it ({first_line(matcher.get_error())})",
+                                      param=param)
+        return matcher
 
     def matcher(self, constraint: Constraint) -> "TokenMatcher":
-        return TokenMatcher(self._llguidance.LLMatcher(self.tokenizer, self.grammar(constraint), log_level=0),
-                            self.vocab_size)
+        return TokenMatcher(self.compile(constraint).deep_copy(), self.vocab_size)
+
+
+_REGEX_SPECIALS = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+def _regex_literal(text: str) -> str:
+    """`text` as a regular expression matching exactly it (in llguidance's syntax)."""
+    return "".join("\\" + c if c in _REGEX_SPECIALS else c for c in text)
+
+
+def first_line(message: str, limit: int = 300) -> str:
+    """The first line of a grammar engine's message (which goes on with its state and the whole
+    grammar), cut to `limit` characters."""
+    line = message.strip().splitlines()[0] if message.strip() else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 class TokenMatcher:
@@ -135,4 +234,4 @@ class TokenMatcher:
 
     @property
     def error(self) -> str | None:
-        return self._matcher.get_error() if self._matcher.is_error() else None
+        return first_line(self._matcher.get_error()) if self._matcher.is_error() else None

@@ -79,9 +79,11 @@ class OutputProcessor:
                 text += state.stop_checker.finish()
         logprobs = [] if sample.logprob is None else [TokenLogprob(token, sample.logprob, sample.top_logprobs or {})]
         # The last event carries the last token and the reason together.
+        error = finish.error if finish is not None and reason == finish.reason else None
         seq.emit(Event(seq.index, text=text, token_ids=[token], logprobs=logprobs,
                        prompt_logprobs=state.take_prompt_logprobs(seq.prompt_len),
-                       finish_reason=reason, stop_reason=stop_reason))
+                       finish_reason=reason, stop_reason=None if error else stop_reason, error=error,
+                       error_param=seq.params.constraint.param if error else None))
         if reason is not None:
             del self._texts[seq.seq_id]
         return stopped

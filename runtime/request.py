@@ -57,6 +57,9 @@ class Event:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or token that ended it
     error: str | None = None
+    # The request field whose value made it fail (a structured output no token can continue),
+    # where the client is at fault; None for a failure of the server's.
+    error_param: str | None = None
     # With params.prompt_logprobs, on sequence 0's first event: one per prompt token (None for the first).
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cumulative_logprob: float | None = None  # beam search: the beam's summed log-probability
@@ -72,6 +75,7 @@ class Completion:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    error_param: str | None = None
     cumulative_logprob: float | None = None
 
     def add(self, event: Event) -> None:
@@ -82,6 +86,7 @@ class Completion:
             self.cumulative_logprob = event.cumulative_logprob
         if event.finish_reason:
             self.finish_reason, self.stop_reason, self.error = event.finish_reason, event.stop_reason, event.error
+            self.error_param = event.error_param
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, shown
 
 MAX_LOGPROBS = 20
 # Generous bounds (OpenAI allows 4 stop strings): every stop string is compiled into one
@@ -66,13 +66,17 @@ class SamplingParams:
 
     def __post_init__(self):
         # OpenAI's `stop` may be one string; None means "not given" for both lists.
+        # Any other type is left as given, for validate() to refuse by name.
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, tuple):
             self.stop = list(self.stop)
-        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "SamplingParams":
@@ -123,22 +127,27 @@ class SamplingParams:
             _integer("seed", self.seed)
         _integer("n", self.n, low=1)
         if not isinstance(self.stop, list):
-            raise InvalidRequestError(f"stop must be a string or a list of strings, got {self.stop!r}", param="stop")
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {shown(self.stop)}",
+                                      param="stop")
         if len(self.stop) > MAX_STOP_STRINGS:  # first: the checks below walk the list
             raise InvalidRequestError(f"stop has {len(self.stop)} strings: at most {MAX_STOP_STRINGS}", param="stop")
         if not all(isinstance(s, str) for s in self.stop):
-            raise InvalidRequestError(f"stop must be a string or a list of strings, got {self.stop!r}", param="stop")
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {shown(self.stop)}",
+                                      param="stop")
         if any(s == "" for s in self.stop):
             raise InvalidRequestError("stop must not contain empty strings", param="stop")
         if any(len(s) > MAX_STOP_LENGTH for s in self.stop):
             raise InvalidRequestError(f"a stop string is longer than {MAX_STOP_LENGTH} characters", param="stop")
+        if not isinstance(self.stop_token_ids, list):
+            raise InvalidRequestError(f"stop_token_ids must be a list of token ids, got {shown(self.stop_token_ids)}",
+                                      param="stop_token_ids")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequestError(f"stop_token_ids has {len(self.stop_token_ids)} ids: at most "
                                       f"{MAX_STOP_TOKEN_IDS}", param="stop_token_ids")
         for t in self.stop_token_ids:
             _integer("stop_token_ids", t, low=0, high=None if vocab_size is None else vocab_size - 1)
         if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}", param="ignore_eos")
+            raise InvalidRequestError(f"ignore_eos must be a bool, got {shown(self.ignore_eos)}", param="ignore_eos")
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
@@ -159,9 +168,9 @@ class SamplingParams:
         if self.beam_search:
             self._validate_beam_search()
         if not isinstance(self.speculative, bool):
-            raise InvalidRequestError(f"speculative must be a bool, got {self.speculative!r}", param="speculative")
+            raise InvalidRequestError(f"speculative must be a bool, got {shown(self.speculative)}", param="speculative")
         if not isinstance(self.skip_special_tokens, bool):
-            raise InvalidRequestError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}",
+            raise InvalidRequestError(f"skip_special_tokens must be a bool, got {shown(self.skip_special_tokens)}",
                                       param="skip_special_tokens")
         return self
 
@@ -185,15 +194,15 @@ class SamplingParams:
 
 def _integer(name: str, value: Any, low: int | None = None, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise InvalidRequestError(f"{name} must be an integer, got {value!r}", param=name)
+        raise InvalidRequestError(f"{name} must be an integer, got {shown(value)}", param=name)
     _bounds(name, value, low, high)
 
 
 def _number(name: str, value: Any, low: float | None = None, high: float | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise InvalidRequestError(f"{name} must be a number, got {value!r}", param=name)
+        raise InvalidRequestError(f"{name} must be a number, got {shown(value)}", param=name)
     if not math.isfinite(value):
-        raise InvalidRequestError(f"{name} must be finite, got {value!r}", param=name)
+        raise InvalidRequestError(f"{name} must be finite, got {shown(value)}", param=name)
     _bounds(name, value, low, high)
 
 

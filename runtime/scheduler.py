@@ -14,12 +14,12 @@ stop strings found in it, are the output processor's.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 from .batch import Batch, Phase
 from .kvcache.base import BasePagedAttentionCache
 from .request import Sequence, SequenceState
+from .waiting_queue import WaitingQueue
 
 
 @dataclass(frozen=True)
@@ -51,10 +51,12 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class Finish:
     """How a step ended a sequence: "stop" on an EOS or stop token (the token) or a completed
-    grammar (no token), or "length"."""
+    grammar (no token), "length", or "error" where its grammar allows no token to continue
+    (`error` says why; `stop_token` is then the end token the grammar forced, not text)."""
 
     reason: str
     stop_token: int | None = None
+    error: str | None = None
 
 
 def _shared_pages(a: list[int], b: list[int], most: int, stride: int) -> int:
@@ -77,7 +79,7 @@ class BaseScheduler:
     def __init__(self, cache: BasePagedAttentionCache, eos_token_ids=()):
         self.cache = cache
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.waiting: list[tuple[tuple, Sequence]] = []  # heap by priority, then arrival
+        self.waiting = WaitingQueue()
         self.running: list[Sequence] = []  # holding pages
         self._running_by_id: dict[int, Sequence] = {}
         self.preemptions = 0
@@ -86,7 +88,7 @@ class BaseScheduler:
     # -- membership -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.state = SequenceState.WAITING
-        heapq.heappush(self.waiting, (seq.priority_key, seq))
+        self.waiting.push(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take a sequence out wherever it is and give its pages back (publishing them first)."""
@@ -95,8 +97,7 @@ class BaseScheduler:
         if seq.state.holds_pages:
             self._stop_running(seq)
         else:
-            self.waiting = [(k, s) for k, s in self.waiting if s is not seq]
-            heapq.heapify(self.waiting)
+            self.waiting.remove(seq)
         seq.state = SequenceState.FINISHED
         seq.finish_reason = reason
 
@@ -174,9 +175,9 @@ class Scheduler(BaseScheduler):
         while self.waiting and len(self.running) < self.config.max_running:
             if sum(1 for s in self.running if s.state is SequenceState.PREFILL) >= max_prefill:
                 break
-            key, seq = heapq.heappop(self.waiting)
+            seq = self.waiting.pop()
             if not seq.can_start() or self._prefix_in_flight(seq):
-                deferred.append((key, seq))
+                deferred.append(seq)
                 continue
             target = seq.prefill_target
             # Prompt logprobs need every prompt position computed: match no cached prefix.
@@ -185,7 +186,7 @@ class Scheduler(BaseScheduler):
                 matchable, extra_token_slots=len(seq.tokens) - len(matchable)
             )
             if allocation is None:
-                deferred.append((key, seq))
+                deferred.append(seq)
                 break  # keep priority order: nothing younger jumps the queue
             seq.allocation = allocation
             seq.computed = allocation.cached_tokens
@@ -193,8 +194,8 @@ class Scheduler(BaseScheduler):
                 seq.request.cached_tokens = allocation.cached_tokens
             self._start_running(seq, SequenceState.PREFILL)
             seq.request.mark_scheduled()
-        for item in deferred:
-            heapq.heappush(self.waiting, item)
+        for seq in deferred:
+            self.waiting.push(seq)
 
     def _prefix_in_flight(self, seq: Sequence) -> bool:
         """Whether a sequence being prefilled is about to publish pages of seq's prompt that the
@@ -358,6 +359,10 @@ class Scheduler(BaseScheduler):
 
     def _finish_after(self, seq: Sequence, token: int) -> Finish | None:
         params = seq.params
+        if seq.matcher is not None and seq.matcher.error is not None:
+            # The grammar hit a dead end: the text cannot be completed, so it never says "stop".
+            param = params.constraint.param
+            return Finish("error", token, f"{param}: no output can satisfy it ({seq.matcher.error})")
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return Finish("stop", token)
         if seq.matcher is not None and seq.matcher.finished:

@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -110,7 +111,10 @@ class GenerateService:
         self.verifier_cache: PlainPagedAttentionCache | None = None
         self.verifier_executor: Executor | None = None
         # Structured output's grammars for this tokenizer; None without llguidance installed.
+        # They compile on threads of their own: a slow one holds up neither the event loop
+        # nor the tokenizer's threads.
         self.grammars: GrammarCompiler | None = None
+        self._grammar_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kiln-grammar")
         # The prefix cache's KV events (config.kv_events), for cache-aware routers.
         self.kv_events: KvEventLog | None = None
         # The prefix cache's host-memory tier (config.host_kv_bytes) and disk tier (config.kv_cache_dir).
@@ -128,8 +132,7 @@ class GenerateService:
         return self
 
     def _load(self) -> None:
-        if self._prepare is not None:
-            log.info("building the model's artifacts before loading them (first use)")
+        if self._prepare is not None:  # it says itself whether it builds or finds a build
             self.artifacts = self._prepare()
         config, artifacts = self.config, self.artifacts
         started = time.monotonic()
@@ -317,6 +320,7 @@ class GenerateService:
 
     async def stop(self, grace_seconds: float = 30.0) -> None:
         """Stop taking requests, let running ones finish for up to the grace period, abort the rest."""
+        self._grammar_threads.shutdown(wait=False, cancel_futures=True)
         if self.state in (ServiceState.STOPPED, ServiceState.LOADING) or self.batcher is None:
             self._device_thread.shutdown(wait=False)
             self.state = ServiceState.STOPPED
@@ -404,9 +408,11 @@ class GenerateService:
             raise InvalidRequestError("diffusion options (steps, block_length, ...) apply only to diffusion models",
                                       param="steps")
         if len(prompt_ids) >= self.max_seq_len or total > self.max_seq_len:
+            # The prompt is at fault when it leaves no room for a single token; max_tokens otherwise.
             raise InvalidRequestError(
                 f"this model's maximum context length is {self.max_seq_len} tokens, but {len(prompt_ids)} prompt "
-                f"tokens + {total - len(prompt_ids)} generated tokens were requested", param="max_tokens",
+                f"tokens + {total - len(prompt_ids)} generated tokens were requested",
+                param="prompt" if len(prompt_ids) >= self.max_seq_len else "max_tokens",
             )
         self.check_token_ids(prompt_ids)
         if params.constraint is not None:
@@ -446,7 +452,25 @@ class GenerateService:
                                       param=param)
         if params.min_tokens:
             raise InvalidRequestError("min_tokens cannot hold back the end of a structured output", param="min_tokens")
-        self.grammars.grammar(params.constraint)  # compiled once, checked: a 400 naming the field
+        self.grammars.compile(params.constraint)  # compiled once, checked: a 400 naming the field
+
+    async def compile_grammars(self, params_list) -> None:
+        """Compile the requests' structured-output grammars, if not cached yet, on a worker thread
+        within config.grammar_compile_seconds, so the event loop goes on meanwhile (submit then
+        finds them compiled); InvalidRequestError for a bad one, or one that takes too long."""
+        if self.grammars is None:
+            return
+        for constraint in {p.constraint for p in params_list if p.constraint is not None}:
+            if self.grammars.compiled(constraint):
+                continue
+            compiling = asyncio.get_running_loop().run_in_executor(self._grammar_threads, self.grammars.compile,
+                                                                   constraint)
+            try:
+                await asyncio.wait_for(compiling, self.config.grammar_compile_seconds)
+            except asyncio.TimeoutError:
+                raise InvalidRequestError(
+                    f"{constraint.param}: the grammar took more than {self.config.grammar_compile_seconds:g}s to "
+                    "compile: simplify it", param=constraint.param) from None
 
     async def generate(
         self,

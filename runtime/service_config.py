@@ -64,6 +64,9 @@ class ServiceConfig:
     prefill_token_budget: int = 512
     max_running: int = 32  # sequences holding KV pages at once
     max_queue: int = 256  # requests waiting before submit answers "busy" (0: none may wait)
+    # Longest a request's structured-output grammar may take to compile (off the event loop)
+    # before the request is refused with a 400.
+    grammar_compile_seconds: float = 20.0
     # A diffusion model's APD verifier: an autoregressive export with the same tokenizer.
     apd_verifier: Artifacts | None = None
     speculative: SpeculativeConfig | None = None  # off unless given

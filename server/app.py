@@ -40,7 +40,7 @@ def create_app(service: GenerateService, settings: ServerSettings,
         if settings.grpc_port is not None:
             from .grpc_server import GrpcFront  # the grpc extra, imported only when asked for
 
-            grpc_front = app.state.grpc = GrpcFront(service, settings)
+            grpc_front = app.state.grpc = GrpcFront(service, settings, app.state.metrics)
             await grpc_front.start()
             await grpc_front.set_serving(False)
         loader = asyncio.create_task(load(app))

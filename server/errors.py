@@ -79,6 +79,8 @@ def error_response(path: str, error: KilnError) -> JSONResponse:
 
 def failure_of(outcome) -> KilnError | None:
     """The error a client sees for a sequence (a Completion or an Event) that failed or was aborted."""
+    if outcome.finish_reason == "error" and outcome.error_param is not None:
+        return InvalidRequestError(outcome.error, param=outcome.error_param)
     if outcome.finish_reason == "error":
         return GenerationError(f"generation failed: {outcome.error}")
     if outcome.finish_reason == "abort":

@@ -69,7 +69,7 @@ async def generate(body: GenerateRequest, request: Request):
     params = [shortfin_params(sp, service.is_diffusion) for sp in sampling]
     check_n(settings, [p.n for p in params])
     rids = request_ids(body, len(prompts), single)
-    generation = Generation(service, state.metrics, prompts, params, rids).submit()
+    generation = await Generation(service, settings, state.metrics, prompts, params, rids).submit()
     if body.stream:
         return EventStream(stream_generate(generation, rids, request.url.path), on_close=generation.abort)
     results = await unless_disconnected(request, generation.collect())

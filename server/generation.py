@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kiln.runtime.diffusion.params import DEFAULT_CANVAS_TOKENS
-from kiln.runtime.errors import InvalidRequestError, ModelNotFoundError
+from kiln.runtime.errors import InvalidRequestError, ModelNotFoundError, shown
 from kiln.runtime.request import Completion, Event, Request, TokenLogprob
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.service import GenerateService
@@ -30,7 +30,8 @@ def admit(service: GenerateService, settings: ServerSettings, model: str | None,
     """What every generation route checks first: the model's name, that the service is ready, n."""
     if not settings.knows_model(model):
         known = ", ".join(map(repr, settings.served_model_names))
-        raise ModelNotFoundError(f"the model {model!r} does not exist: this server serves {known}", param="model")
+        raise ModelNotFoundError(f"the model {shown(model)} does not exist: this server serves {known}",
+                                 param="model")
     service.check_ready()
     check_n(settings, n_values)
 
@@ -41,11 +42,33 @@ def check_n(settings: ServerSettings, n_values) -> None:
             raise InvalidRequestError(f"n must be in [1, {settings.max_n}], got {n}", param="n")
 
 
+def check_limits(settings: ServerSettings, params: SamplingParams) -> None:
+    """The server's limits on one prompt's sequences (n, and the beams of a beam search), after
+    the fields' own checks: every front door, HTTP or gRPC, passes here before anything is
+    allocated for the request."""
+    params.validate()
+    check_n(settings, [params.n])
+    if params.num_beams > settings.max_n:
+        raise InvalidRequestError(f"the beam width must be in [1, {settings.max_n}], got {params.num_beams}",
+                                  param="best_of")
+
+
 def rest_of_context(service: GenerateService, prompt: list[int]) -> int:
     """The default max_tokens where a route has none of its own: what is left of the context
     (for a diffusion LM, whose every pass computes the whole canvas, LLaDA's default length at most)."""
     rest = max(1, service.context_capacity - len(prompt))
     return min(rest, DEFAULT_CANVAS_TOKENS) if service.is_diffusion else rest
+
+
+@contextlib.contextmanager
+def _naming_prompt(index: int | None):
+    """An InvalidRequestError raised inside names the prompt it is about (of several)."""
+    try:
+        yield
+    except InvalidRequestError as error:
+        if index is None:
+            raise
+        raise InvalidRequestError(f"prompt {index}: {error.message}", param=error.param) from None
 
 
 # One sequence's accumulated output.
@@ -85,9 +108,10 @@ class Usage:
 
 
 class Generation:
-    def __init__(self, service: GenerateService, metrics: Metrics | None, prompts: list[list[int]],
-                 params: list[SamplingParams], request_ids: list[str], priority: int = 0):
+    def __init__(self, service: GenerateService, settings: ServerSettings, metrics: Metrics | None,
+                 prompts: list[list[int]], params: list[SamplingParams], request_ids: list[str], priority: int = 0):
         self.service = service
+        self.settings = settings
         self.metrics = metrics
         self.prompts = prompts
         self.params = params
@@ -102,18 +126,19 @@ class Generation:
         self._aborted: set[str] = set()
 
     # -- in ---------------------------------------------------------------------------------
-    def submit(self) -> "Generation":
-        """Submit every prompt, or none: a bad prompt or a full queue withdraws the others."""
+    async def submit(self) -> "Generation":
+        """Check and submit every prompt, or none: a bad prompt or a full queue withdraws the
+        others. Structured-output grammars compile first, off the event loop."""
         self._started = time.monotonic()
         many = len(self.prompts) > 1
         try:
+            for index, params in enumerate(self.params):
+                with _naming_prompt(index if many else None):
+                    check_limits(self.settings, params)
+            await self.service.compile_grammars(self.params)
             for index, (ids, params, request_id) in enumerate(zip(self.prompts, self.params, self.request_ids)):
-                try:
+                with _naming_prompt(index if many else None):
                     self.requests.append(self.service.submit(ids, params, request_id, self.priority))
-                except InvalidRequestError as error:
-                    if many:
-                        raise InvalidRequestError(f"prompt {index}: {error.message}", param=error.param) from None
-                    raise
         except BaseException:
             self.abort()
             raise

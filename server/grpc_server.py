@@ -10,6 +10,8 @@ are the `grpc` extra, imported only when `--grpc-port` is given.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 
 import grpc
@@ -18,25 +20,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from kiln.runtime.errors import KilnError, QueueFullError
 from kiln.runtime.service import GenerateService
 
+from .kserve_grpc import add_kserve_service
+from .metrics import Metrics
 from .settings import ServerSettings
+from .vllm_grpc import add_vllm_engine_service
 
 log = logging.getLogger("kiln.grpc")
 # Callable without a key, as load balancers and grpcurl expect.
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/")
-_STATUS_BY_HTTP = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
-                   503: grpc.StatusCode.UNAVAILABLE}
-
-
-def status_of(error: KilnError) -> grpc.StatusCode:
-    """A Kiln error as gRPC says it: a bad request is INVALID_ARGUMENT, never INTERNAL."""
-    if isinstance(error, QueueFullError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    return _STATUS_BY_HTTP.get(error.status, grpc.StatusCode.INTERNAL)
-
-
 class ApiKeyInterceptor(aio.ServerInterceptor):
     """`authorization: Bearer KEY` metadata, checked as the HTTP middleware checks the header."""
 
@@ -51,6 +44,57 @@ class ApiKeyInterceptor(aio.ServerInterceptor):
         if given.startswith("Bearer ") and given[len("Bearer "):] in self.keys:
             return handler
         return _refusing(handler)
+
+
+class CallCounter(aio.ServerInterceptor):
+    """Counts every call by method and the status it ended with (`kiln_grpc_requests_total`),
+    as the HTTP middleware counts requests by route and status; refused calls included."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        counted = functools.partial(_Counted, self.metrics, details.method)
+        if handler.response_streaming:
+            kind = "stream_stream" if handler.request_streaming else "unary_stream"
+            behavior = getattr(handler, kind)
+
+            async def streaming(request, context):
+                with counted(context):
+                    async for response in behavior(request, context):
+                        yield response
+
+            return handler._replace(**{kind: streaming})
+        kind = "stream_unary" if handler.request_streaming else "unary_unary"
+        behavior = getattr(handler, kind)
+
+        async def unary(request, context):
+            with counted(context):
+                return await behavior(request, context)
+
+        return handler._replace(**{kind: unary})
+
+
+class _Counted:
+    """Around one call: counts it, with its status, as it ends."""
+
+    def __init__(self, metrics: Metrics, method: str, context):
+        self.metrics, self.method, self.context = metrics, method, context
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        code = self.context.code()
+        if code is None:  # no status set: OK, cancelled by the client, or a failure of Kiln's own
+            code = (grpc.StatusCode.CANCELLED if isinstance(error, asyncio.CancelledError) else
+                    grpc.StatusCode.UNKNOWN if error is not None and not isinstance(error, aio.AbortError) else
+                    grpc.StatusCode.OK)
+        name = code.name if isinstance(code, grpc.StatusCode) else str(code)
+        self.metrics.grpc_requests.labels(self.method, name).inc()
 
 
 def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
@@ -88,16 +132,15 @@ class HealthReporting:
 class GrpcFront(HealthReporting):
     """The gRPC server beside the HTTP one: started once the app starts, stopped as it drains."""
 
-    def __init__(self, service: GenerateService, settings: ServerSettings):
-        from .kserve_grpc import add_kserve_service
-        from .vllm_grpc import add_vllm_engine_service
-
-        interceptors = [ApiKeyInterceptor(settings.api_keys)] if settings.api_keys else []
+    def __init__(self, service: GenerateService, settings: ServerSettings, metrics: Metrics | None = None):
+        interceptors = [CallCounter(metrics)] if metrics is not None else []
+        if settings.api_keys:
+            interceptors.append(ApiKeyInterceptor(settings.api_keys))
         self.server = aio.server(interceptors=interceptors,
                                  options=[("grpc.max_receive_message_length", settings.max_body_bytes)])
         self.health = HealthServicer()
-        names = [add_kserve_service(self.server, service, settings),
-                 add_vllm_engine_service(self.server, service, settings)]
+        names = [add_kserve_service(self.server, service, settings, metrics),
+                 add_vllm_engine_service(self.server, service, settings, metrics)]
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names += [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self.server)

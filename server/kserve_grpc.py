@@ -27,7 +27,11 @@ from kiln.runtime.errors import InvalidRequestError, KilnError
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.service import GenerateService
 
-from .grpc_server import status_of
+from .errors import failure_of
+from .generation import Generation, admit, check_limits
+from .grpc_status import status_of
+from .metrics import Metrics
+from .prompts import encode
 from .settings import ServerSettings
 
 log = logging.getLogger("kiln.grpc")
@@ -43,8 +47,8 @@ _CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_cont
              "FP64": "fp64_contents", "BYTES": "bytes_contents"}
 
 
-def add_kserve_service(server, service: GenerateService, settings: ServerSettings) -> str:
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(service, settings), server)
+def add_kserve_service(server, service: GenerateService, settings: ServerSettings, metrics: Metrics | None) -> str:
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(service, settings, metrics), server)
     return SERVICE_NAME
 
 
@@ -95,10 +99,12 @@ def request_inputs(request: pb.ModelInferRequest) -> dict[str, object]:
     return values
 
 
-def sampling_params(given: bytes | None) -> SamplingParams:
+def sampling_params(given: bytes | None, settings: ServerSettings) -> SamplingParams:
     """`sampling_parameters`, vLLM's names; numbers may come as strings (Triton's examples send them so)."""
     try:
         fields_given = json.loads(given) if given else {}
+    except RecursionError:
+        raise InvalidRequestError("sampling_parameters is nested too deeply", param="sampling_parameters") from None
     except ValueError as error:
         raise InvalidRequestError(f"sampling_parameters is not JSON: {error}", param="sampling_parameters") from None
     if not isinstance(fields_given, dict):
@@ -120,6 +126,7 @@ def sampling_params(given: bytes | None) -> SamplingParams:
         if internal in typed:
             raise InvalidRequestError(f"unknown sampling parameters: {internal}", param=internal)
     params = SamplingParams.from_kwargs(**typed)
+    check_limits(settings, params)  # every door's limits first, then this protocol's own
     if params.sequence_count != 1:
         raise InvalidRequestError("n and num_beams must be 1 here: one text_output per request", param="n")
     return params
@@ -136,9 +143,10 @@ def response(request: pb.ModelInferRequest, model: str, text: str, final: bool |
 
 # -- the service --------------------------------------------------------------------------
 class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, service: GenerateService, settings: ServerSettings):
+    def __init__(self, service: GenerateService, settings: ServerSettings, metrics: Metrics | None):
         self.service = service
         self.settings = settings
+        self.metrics = metrics
 
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=True)
@@ -180,8 +188,6 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         async def answer(request):
             try:
-                if not self.settings.knows_model(request.model_name):
-                    raise InvalidRequestError(f"the model {request.model_name!r} does not exist")
                 inputs = request_inputs(request)
                 model = request.model_name or self.settings.model_name
                 pending = None  # hold one piece back, so the last carries the final flag
@@ -221,26 +227,28 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def _generate(self, request, inputs):
         """The text pieces of one request: the prompt first unless excluded, then the
         completion, piece by piece when streaming, whole otherwise."""
-        service = self.service
-        service.check_ready()
-        prompt = inputs["text_input"].decode("utf-8", errors="replace")
-        if len(prompt) > self.settings.max_prompt_chars:
-            raise InvalidRequestError(f"the prompt is longer than {self.settings.max_prompt_chars} characters",
-                                      param="text_input")
-        params = sampling_params(inputs.get("sampling_parameters"))
+        service, settings = self.service, self.settings
+        admit(service, settings, request.model_name or None)
+        raw = inputs["text_input"]
+        if len(raw) > 4 * settings.max_prompt_chars:  # refused by size before anything decodes it
+            raise InvalidRequestError(f"text_input has {len(raw)} bytes: the server tokenizes at most "
+                                      f"{settings.max_prompt_chars} characters", param="text_input")
+        prompt = raw.decode("utf-8", errors="replace")
+        params = sampling_params(inputs.get("sampling_parameters"), settings)
         stream = bool(inputs.get("stream"))
-        ids = await asyncio.get_running_loop().run_in_executor(None, service.encode, prompt)
+        ids = await encode(service, prompt, settings.max_prompt_chars, param="text_input")
         # The client's id is echoed, not used: Triton's clients may reuse one across requests.
-        submitted = service.submit(ids, params, uuid.uuid4().hex)
+        generation = await Generation(service, settings, self.metrics, [ids], [params], [uuid.uuid4().hex]).submit()
         text = "" if inputs.get("exclude_input_in_output") or stream else prompt
-        async for event in service.stream(submitted):
-            if event.error:
-                raise KilnError(f"generation failed: {event.error}")
-            if stream:
-                if event.text or event.finish_reason:
-                    yield event.text
-            else:
-                text += event.text
+        async with contextlib.aclosing(generation.events()) as events:
+            async for _, event in events:
+                if (error := failure_of(event)) is not None:
+                    raise error
+                if stream:
+                    if event.text or event.finish_reason:
+                        yield event.text
+                else:
+                    text += event.text
         if not stream:
             yield text
 

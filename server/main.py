@@ -4,7 +4,9 @@ On the first signal the service drains while every connection stays open (new re
 get 503; running ones get the grace period, then are aborted with an error the client
 sees), so SSE streams and WebSocket generations alike end with their last message; only
 then does uvicorn shut down (it would close WebSockets at once with 1012). The signal is
-not re-raised at the end, so a drained server exits 0. A second signal stops at once.
+not re-raised at the end, so a drained server exits 0. A second signal ends the process at
+once, and so does a drain that overruns the grace period by DRAIN_MARGIN_SECONDS, whatever
+the event loop is doing.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import threading
 
@@ -27,10 +30,24 @@ from .settings import ServerSettings
 log = logging.getLogger("kiln.server")
 
 
+# The exit status when a second signal, or a drain past its deadline, ends the process at once.
+FORCED_EXIT_CODE = 1
+# What a drain may take beyond the grace period (aborting what is left, the last messages, the
+# HTTP server's own shutdown) before the process is ended regardless.
+DRAIN_MARGIN_SECONDS = 10.0
+
+
+def _exit_now(code: int) -> None:
+    """End the process without waiting on anything (no lock, no flush: the thread that is stuck
+    may hold them); the log line before it has gone out already, stderr being line-buffered."""
+    os._exit(code)
+
+
 class KilnServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, drain):
+    def __init__(self, config: uvicorn.Config, drain, grace_seconds: float = 30.0):
         super().__init__(config)
         self.drain = drain  # a coroutine function: the service drained, the last messages sent
+        self.drain_deadline = grace_seconds + DRAIN_MARGIN_SECONDS
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -53,12 +70,23 @@ class KilnServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def handle_exit(self, sig, frame) -> None:
-        if self.draining or self.loop is None:  # a second signal, or none of ours to drain yet
+        if self.draining:  # a second signal: stop now, whatever the event loop is doing
+            log.warning("received %s again: exiting now", signal.Signals(sig).name)
+            _exit_now(FORCED_EXIT_CODE)
+        if self.loop is None:  # none of ours to drain yet
             self.should_exit = self.force_exit = True
             return
         self.draining = True
         log.info("received %s: draining", signal.Signals(sig).name)
         self.loop.call_soon_threadsafe(self._drain_then_exit)
+        # The drain runs on the event loop; should the loop be stuck, the process still ends.
+        watchdog = threading.Timer(self.drain_deadline, self._drain_overran)
+        watchdog.daemon = True
+        watchdog.start()
+
+    def _drain_overran(self) -> None:
+        log.error("the drain did not end within %.0fs: exiting now", self.drain_deadline)
+        _exit_now(FORCED_EXIT_CODE)
 
     def _drain_then_exit(self) -> None:
         task = asyncio.ensure_future(self.drain())
@@ -93,7 +121,8 @@ def serve(service_config: ServiceConfig, settings: ServerSettings, log_level: st
             server.should_exit = True
 
     app = create_app(service, settings, on_fatal=fatal)
-    server = KilnServer(uvicorn_config(app, settings, log_level), drain=lambda: drain(app))
+    server = KilnServer(uvicorn_config(app, settings, log_level), drain=lambda: drain(app),
+                        grace_seconds=settings.grace_seconds)
     server.run()
     if not server.started:
         return 1  # the port was taken, or startup failed: uvicorn has said why

@@ -163,6 +163,8 @@ class Metrics:
         self.registry = ModelRegistry(model_name)
         self.requests = Counter("kiln_requests", "HTTP requests by route and status",
                                 ["route", "method", "status"], registry=self.registry)
+        self.grpc_requests = Counter("kiln_grpc_requests", "gRPC calls by method and status code",
+                                     ["method", "code"], registry=self.registry)
         self.time_to_first_token = Histogram("kiln_time_to_first_token_seconds",
                                              "from submission to a sequence's first token",
                                              buckets=_TTFT_BUCKETS, registry=self.registry)

@@ -95,8 +95,8 @@ async def completions(body: CompletionRequest, request: Request):
     params = openai_params(body, max_tokens, logprobs, prompt_logprobs=logprobs if body.echo else None,
                            diffusion_model=service.is_diffusion)
     completion_id = f"cmpl-{uuid.uuid4().hex}"
-    generation = Generation(service, state.metrics, prompts, [params] * len(prompts),
-                            [f"{completion_id}-{i}" for i in range(len(prompts))], body.priority).submit()
+    generation = await Generation(service, settings, state.metrics, prompts, [params] * len(prompts),
+                                  [f"{completion_id}-{i}" for i in range(len(prompts))], body.priority).submit()
     view = CompletionView(completion_id, body.model or settings.model_name, body, prompts, texts, state.token_text,
                           echo_only, logprobs)
     if body.stream:
@@ -234,7 +234,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         params.constraint = forced
     parser = parser if tools is not None and tools.active else None
     chat_id = f"chatcmpl-{uuid.uuid4().hex}"
-    generation = Generation(service, state.metrics, [prompt], [params], [chat_id], body.priority).submit()
+    try:
+        generation = await Generation(service, settings, state.metrics, [prompt], [params], [chat_id],
+                                      body.priority).submit()
+    except InvalidRequestError as error:
+        if error.param != "prompt":
+            raise
+        raise InvalidRequestError(error.message, param="messages") from None  # chat's prompt is its messages
     header = {"id": chat_id, "created": int(time.time()), "model": body.model or settings.model_name,
               "system_fingerprint": None}
     token_text = state.token_text

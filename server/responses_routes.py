@@ -33,7 +33,7 @@ router = APIRouter()
 
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
 # The fields that chat's machinery names in its errors, as this API calls them.
-_OWN_NAMES = {"max_tokens": "max_output_tokens", "messages": "input"}
+_OWN_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "prompt": "input"}
 
 
 @router.post("/v1/responses")
@@ -50,7 +50,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         params = openai_params(chat, max_tokens, diffusion_model=service.is_diffusion)
         params.constraint = format_constraint(text_format.type, text_format.json_schema, "text.format")
         view = ResponseView(body, text_format, body.model or settings.model_name, params)
-        generation = Generation(service, state.metrics, [prompt], [params], [view.id]).submit()
+        generation = await Generation(service, settings, state.metrics, [prompt], [params], [view.id]).submit()
     if body.stream:
         return EventStream(view.stream(generation), on_close=generation.abort)
     [result] = await unless_disconnected(request, generation.collect())

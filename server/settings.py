@@ -18,6 +18,9 @@ class ServerSettings:
     kv_events_topic: str = ""
     # Names the /v1 routes answer to; the first is the one /v1/models lists first.
     served_model_names: tuple[str, ...] = ("kiln",)
+    # Other names requests may give, not listed (the path a model was given by, under which vLLM
+    # would serve it).
+    model_aliases: tuple[str, ...] = ()
     chat_template: str | None = None  # overrides tokenizer_config.json's
     tool_call_parser: str = "auto"  # how tool calls are written: server/tool_calls.py's PARSERS
     api_keys: tuple[str, ...] = ()  # empty: no authentication
@@ -39,4 +42,4 @@ class ServerSettings:
         return self.served_model_names[0]
 
     def knows_model(self, name: str | None) -> bool:
-        return name is None or name == "" or name in self.served_model_names
+        return name is None or name == "" or name in self.served_model_names or name in self.model_aliases

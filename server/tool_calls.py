@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.runtime.errors import InvalidRequestError
-from kiln.runtime.grammar import Constraint
+from kiln.runtime.grammar import MAX_NESTING, Constraint, nesting_depth
+from kiln.runtime.schema_checks import admits_finite_value
 
 PARSERS = ("auto", "hermes", "llama3_json")
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -59,6 +60,13 @@ class Tools:
             parameters = function.get("parameters") or {"type": "object", "properties": {}}
             if not isinstance(parameters, dict):
                 raise InvalidRequestError(f"tools[{index}].function.parameters must be a JSON schema object",
+                                          param="tools")
+            if nesting_depth(parameters) > MAX_NESTING:
+                raise InvalidRequestError(f"tools[{index}].function.parameters is nested more than {MAX_NESTING} "
+                                          "levels deep", param="tools")
+            if not admits_finite_value(parameters):  # no call of it could ever be complete
+                raise InvalidRequestError(f"tools[{index}].function.parameters: no finite JSON value satisfies "
+                                          "this schema (a required property, item or $ref leads back to itself)",
                                           param="tools")
             functions[name] = parameters
         named = None

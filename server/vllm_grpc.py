@@ -10,11 +10,13 @@ routing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import io
 import itertools
 import json
 import time
+import uuid
 import zipfile
 
 import grpc
@@ -28,8 +30,10 @@ from kiln.runtime.kvcache.events import MEDIUM, BlockStored, BlocksRemoved, Even
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.service import GenerateService
 
-from .generation import rest_of_context
-from .grpc_server import status_of
+from .generation import Generation, admit, rest_of_context
+from .grpc_status import status_of
+from .metrics import Metrics
+from .prompts import encode
 from .settings import ServerSettings
 
 SERVICE_NAME = "vllm.grpc.engine.VllmEngine"
@@ -37,8 +41,9 @@ TOKENIZER_CHUNK = 1 << 20
 KV_EVENTS_HEARTBEAT = 1.0  # seconds between load records on an idle KV event stream
 
 
-def add_vllm_engine_service(server, service: GenerateService, settings: ServerSettings) -> str:
-    pb_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(service, settings), server)
+def add_vllm_engine_service(server, service: GenerateService, settings: ServerSettings,
+                            metrics: Metrics | None) -> str:
+    pb_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(service, settings, metrics), server)
     return SERVICE_NAME
 
 
@@ -111,42 +116,48 @@ def kv_event_batch(batch: EventBatch) -> common_pb2.KvEventBatch:
 
 
 class VllmEngineServicer(pb_grpc.VllmEngineServicer):
-    def __init__(self, service: GenerateService, settings: ServerSettings):
+    def __init__(self, service: GenerateService, settings: ServerSettings, metrics: Metrics | None):
         self.service = service
         self.settings = settings
+        self.metrics = metrics
         self.started = time.time()
         self.last_request = 0.0
 
     async def Generate(self, request, context):
-        service = self.service
+        service, settings = self.service, self.settings
         try:
-            service.check_ready()
+            admit(service, settings, None)
             if request.WhichOneof("input") == "text":
-                ids = await asyncio.get_running_loop().run_in_executor(None, service.encode, request.text)
+                ids = await encode(service, request.text, settings.max_prompt_chars, param="text")
             else:
                 ids = service.check_token_ids(request.tokenized.input_ids, param="input_ids")
             params = sampling_params(request.sampling_params, ids, service)
-            submitted = service.submit(ids, params, request.request_id or None)
+            generation = await Generation(service, settings, self.metrics, [ids], [params],
+                                          [request.request_id or uuid.uuid4().hex]).submit()
         except KilnError as error:
             await context.abort(status_of(error), error.message)
         self.last_request = time.time()
+        submitted = generation.requests[0]
         outputs: dict[int, list[int]] = {}
-        async for event in service.stream(submitted):  # a cancelled call leaves this loop: the request aborts
-            tokens = outputs.setdefault(event.index, [])
-            tokens.extend(event.token_ids)
-            counts = {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
-                      "cached_tokens": submitted.cached_tokens}
-            if request.stream and event.token_ids:
-                yield pb.GenerateResponse(chunk=pb.GenerateStreamChunk(
-                    token_ids=event.token_ids, index=event.index, output_logprobs=output_logprobs(event), **counts))
-            if event.finish_reason:
-                complete = pb.GenerateComplete(output_ids=tokens, finish_reason=event.finish_reason,
-                                               index=event.index, **counts)
-                if isinstance(event.stop_reason, int):
-                    complete.matched_token_id = event.stop_reason
-                elif isinstance(event.stop_reason, str):
-                    complete.matched_stop_str = event.stop_reason
-                yield pb.GenerateResponse(complete=complete)
+        # A cancelled call leaves this loop, and closing the events aborts the request.
+        async with contextlib.aclosing(generation.events()) as events:
+            async for _, event in events:
+                tokens = outputs.setdefault(event.index, [])
+                tokens.extend(event.token_ids)
+                counts = {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
+                          "cached_tokens": submitted.cached_tokens}
+                if request.stream and event.token_ids:
+                    yield pb.GenerateResponse(chunk=pb.GenerateStreamChunk(
+                        token_ids=event.token_ids, index=event.index, output_logprobs=output_logprobs(event),
+                        **counts))
+                if event.finish_reason:
+                    complete = pb.GenerateComplete(output_ids=tokens, finish_reason=event.finish_reason,
+                                                   index=event.index, **counts)
+                    if isinstance(event.stop_reason, int):
+                        complete.matched_token_id = event.stop_reason
+                    elif isinstance(event.stop_reason, str):
+                        complete.matched_stop_str = event.stop_reason
+                    yield pb.GenerateResponse(complete=complete)
 
     async def Abort(self, request, context):
         for request_id in request.request_ids:

@@ -98,9 +98,9 @@ class Session:
             max_tokens = rest_of_context(service, prompt) if message.messages is not None else 16
         logprobs = check_logprobs(message.logprobs, "logprobs")
         params = openai_params(message, max_tokens, logprobs, diffusion_model=service.is_diffusion)
-        generation = Generation(service, self.state.metrics, [prompt], [params], [f"ws-{uuid.uuid4().hex}"],
-                                message.priority)
-        return generation.submit(), logprobs
+        generation = Generation(service, settings, self.state.metrics, [prompt], [params],
+                                [f"ws-{uuid.uuid4().hex}"], message.priority)
+        return await generation.submit(), logprobs
 
     async def stream(self, generation_id: str, generation: Generation, logprobs: int | None, n: int) -> None:
         try:

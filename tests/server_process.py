@@ -22,6 +22,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_answers(url: str, process: subprocess.Popen, timeout: float) -> None:
+    """Until GET `url` answers 200; AssertionError if `process` exits or the time runs out first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert process.poll() is None, f"{process.args[0]} exited with {process.returncode}"
+        time.sleep(0.2)
+    raise AssertionError(f"{url} did not answer in {timeout}s")
+
+
 class ServerProcess:
     def __init__(self, args: list[str], log_path: Path, env: dict | None = None):
         self.port = free_port()

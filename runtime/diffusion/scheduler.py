@@ -12,7 +12,6 @@ diffusion prompt's K/V depend on the canvas after it.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -115,7 +114,7 @@ class DiffusionScheduler(BaseScheduler):
     def _admit(self) -> None:
         """Move waiting sequences to DENOISE, in priority order, while pages allow."""
         while self.waiting and len(self.running) < self.config.max_running:
-            seq = self.waiting[0][1]
+            seq = self.waiting.peek()
             plan = seq.params.diffusion.plan(seq.params.max_tokens)
             length = seq.prompt_len + plan.canvas_length
             main = self.cache.acquire_pages_for_tokens([], extra_token_slots=length)
@@ -129,7 +128,7 @@ class DiffusionScheduler(BaseScheduler):
                     self.cache.free_cache_pages(main)
                     return
                 (self._verifier_pages if plan.params.apd else self._guidance_pages)[seq.seq_id] = second
-            heapq.heappop(self.waiting)
+            self.waiting.pop()
             seq.allocation = main
             if seq.canvas is None:
                 seq.canvas = self._canvas(seq, plan)

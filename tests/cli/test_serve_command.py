@@ -36,8 +36,11 @@ def test_serve_builds_a_model_on_first_use(start_server, tiny_hf_dir, tmp_path):
     assert refused.status_code == 503 and "loading" in refused.json()["error"]["message"]
     server.wait_ready()
     [model] = httpx.get(server.url + "/v1/models").json()["data"]
-    assert model["id"] == str(tiny_hf_dir) and f"loaded {tmp_path / 'cache'}" in server.log()
-    assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}).status_code == 200
+    # Served under the model's own name (its directory's), the path it was given by taken too.
+    assert model["id"] == tiny_hf_dir.name and f"loaded {tmp_path / 'cache'}" in server.log()
+    for name in (None, tiny_hf_dir.name, str(tiny_hf_dir)):
+        body = {"prompt": "hi", "max_tokens": 3, **({"model": name} if name else {})}
+        assert httpx.post(server.url + "/v1/completions", json=body).status_code == 200
     assert server.stop() == 0
     again = start_server("--model", tiny_hf_dir, "--no-access-log", env=env)
     assert "reusing" in again.log() and f"loaded {tmp_path / 'cache'}" in again.log()

@@ -26,3 +26,29 @@ def test_parameter_memory_defaults_to_auto_and_takes_only_its_choices(capsys):
         parser.parse_args(["serve", "--parameter-memory", "huge"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'huge'" in capsys.readouterr().err
+
+
+def test_a_model_path_is_served_under_the_models_own_name_and_its_path(tmp_path):
+    from kiln.cli.serve_command import default_model_names
+
+    parser = build_parser()
+    gguf = tmp_path / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    assert default_model_names(parser.parse_args(["serve", "--model", str(gguf)]), None) == [
+        "qwen2.5-coder-1.5b-instruct-q4_k_m"]
+    hf = tmp_path / "SmolLM2-360M-Instruct"
+    assert default_model_names(parser.parse_args(["serve", "--model", str(hf) + "/"]), None)[0] == "SmolLM2-360M-Instruct"
+    named = parser.parse_args(["serve", "--model", str(gguf), "--served-model-name", "coder"])
+    assert default_model_names(named, None) == ["coder"]
+
+
+def test_every_serve_option_says_what_it_does(capsys):
+    """`kiln serve --help`: each option has a line of help, with its default where it has one."""
+    import re
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    lines = capsys.readouterr().out.splitlines()
+    bare = [line for i, line in enumerate(lines) if re.match(r"^  --?\S", line)
+            and len(re.split(r"\s{2,}", line.strip(), maxsplit=1)) == 1
+            and (i + 1 == len(lines) or not lines[i + 1].startswith(" " * 10) or re.match(r"^  --?\S", lines[i + 1]))]
+    assert not bare, bare

@@ -72,11 +72,11 @@ def test_regex_choice_and_grammar(compiler, tokenizer):
 
 def test_compiled_grammars_are_cached_and_bad_ones_are_400s(compiler):
     constraint = Constraint.of("json", {"type": "object"}, "response_format")
-    assert compiler.grammar(constraint) is compiler.grammar(Constraint.of("json", {"type": "object"}, "response_format"))
+    assert compiler.compile(constraint) is compiler.compile(Constraint.of("json", {"type": "object"}, "response_format"))
     for bad in (Constraint.of("regex", "(", "guided_regex"), Constraint.of("grammar", "start: undefined_rule", "guided_grammar"),
                 Constraint.of("json", '{"type": "object", "properties": 5}', "guided_json")):
         with pytest.raises(InvalidRequestError) as error:
-            compiler.grammar(bad)
+            compiler.compile(bad)
         assert error.value.param == bad.param
     with pytest.raises(InvalidRequestError):
         Constraint.of("choice", ["a", 3], "guided_choice")
@@ -86,3 +86,56 @@ def test_the_mask_allows_only_what_may_follow(compiler, tokenizer):
     matcher = compiler.matcher(Constraint.of("choice", ["yes"], "guided_choice"))
     allowed = np.flatnonzero(matcher.allowed())
     assert allowed.size and all("yes".startswith(tokenizer.decode([int(t)])) for t in allowed)
+
+
+def test_a_choice_of_fifty_thousand_strings_is_one_lexeme_and_each_sequence_copies_its_matcher(compiler, tokenizer):
+    choices = [f"pick {i}" for i in range(50_000)]
+    constraint = Constraint.of("choice", choices, "guided_choice")
+    first, second = compiler.matcher(constraint), compiler.matcher(constraint)
+    assert first._matcher is not second._matcher  # copies of the one compiled, each at its own place
+    text, done = generate(compiler, tokenizer, constraint)
+    assert done and text in choices
+    assert compiler.matcher(Constraint.of("choice", ["a.b", "(c)", "d|e"], "guided_choice")).allowed().any()
+
+
+def test_a_dead_end_is_an_error_naming_the_field_never_a_stop(compiler, tokenizer):
+    """A grammar that lets no token begin is refused at once; one that dead-ends later finishes
+    with "error", not "stop" (the scheduler's finish, on a matcher driven into its dead end)."""
+    from kiln.runtime.request import Request, Sequence
+    from kiln.runtime.scheduler import Scheduler, SchedulerConfig
+
+    with pytest.raises(InvalidRequestError) as refused:
+        compiler.compile(Constraint.of("json", {"$ref": "#"}, "response_format"))
+    assert refused.value.param == "response_format" and "no finite JSON value" in refused.value.message
+    constraint = Constraint.of("regex", "ab", "guided_regex")
+    params = SamplingParams(max_tokens=8, constraint=constraint)
+    seq = Sequence(Request([5], params, "r", matchers=[compiler.matcher(constraint)]), 0)
+    seq.matcher.accept(tokenizer.token_to_id("b"))  # not what the grammar allows: it is now in error
+    assert seq.matcher.error is not None and len(seq.matcher.error) <= 300
+    seq.tokens.append(EOS_ID)  # all the mask allows a matcher in error
+    config = SchedulerConfig(prefill_batch_sizes=(1,), decode_batch_sizes=(1,), block_seq_stride=16, max_seq_len=64,
+                             chunk_tokens=16, prefill_token_budget=0, max_running=1, has_prefill_position=True)
+    finish = Scheduler(config, cache=None, eos_token_ids=[EOS_ID])._finish_after(seq, EOS_ID)
+    assert finish.reason == "error" and finish.error.startswith("guided_regex: ")
+
+
+def test_a_grammar_past_its_compile_budget_is_a_400(fake_model_dir):
+    import asyncio
+
+    from kiln.runtime import GenerateService, ServiceConfig
+    from kiln.runtime.contract import Artifacts
+    from tests.fake_program import FakeProgram
+
+    async def main():
+        config = ServiceConfig(Artifacts.in_directory(fake_model_dir), grammar_compile_seconds=0.001)
+        service = await GenerateService(config, program_factory=FakeProgram).start()
+        try:
+            choices = [f"slow {i}" for i in range(50_000)]
+            params = SamplingParams(constraint=Constraint.of("choice", choices, "guided_choice"))
+            with pytest.raises(InvalidRequestError) as error:
+                await service.compile_grammars([params])
+            assert error.value.param == "guided_choice" and "to compile" in error.value.message
+        finally:
+            await service.stop()
+
+    asyncio.run(main())

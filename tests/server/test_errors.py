@@ -36,8 +36,8 @@ def assert_openai_error(response, status: int, fragment: str = "", param: str | 
     ({"prompt": "hi", "temperature": -1}, "temperature", "temperature"),
     ({"prompt": "hi", "top_p": 0}, "top_p", "top_p"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens"),
-    ({"prompt": "hi", "max_tokens": 1000}, "maximum context length", None),
-    ({"prompt": "hi " * 300}, "maximum context length", None),
+    ({"prompt": "hi", "max_tokens": 1000}, "maximum context length", "max_tokens"),
+    ({"prompt": "hi " * 300}, "maximum context length", "prompt"),  # the prompt alone is too long
     ({"prompt": [1, 2, 5000]}, "vocabulary", None),
     ({"prompt": []}, "prompt", "prompt"),
     ({"prompt": "", "add_special_tokens": False}, "empty", None),
@@ -78,8 +78,8 @@ def test_bad_completions(tiny_server, body, fragment, param):
     ({"messages": CHAT, "structured_outputs": {"xml": "<a/>"}}, "structured_outputs", "structured_outputs"),
     ({"messages": CHAT, "guided_json": {"type": "object"}, "min_tokens": 3}, "min_tokens", "min_tokens"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "only text", None),
-    ({"messages": [{"role": "user", "content": "hi " * 300}]}, "maximum context length", None),
-    ({"messages": CHAT, "max_completion_tokens": 10_000}, "maximum context length", None),
+    ({"messages": [{"role": "user", "content": "hi " * 300}]}, "maximum context length", "messages"),
+    ({"messages": CHAT, "max_completion_tokens": 10_000}, "maximum context length", "max_tokens"),
 ])
 def test_bad_chat(tiny_server, body, fragment, param):
     response = httpx.post(tiny_server.url + "/v1/chat/completions", json=body, timeout=30)

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.server_process import free_port
+from tests.server_process import free_port, wait_until_answers
 
 pytestmark = pytest.mark.e2e
 SYSTEM = "You are a helpful assistant who answers briefly. " * 4
@@ -34,15 +33,7 @@ def gateway(start_server, tiny_artifacts, tmp_path_factory):
          "--worker-urls", *[f"grpc://127.0.0.1:{p}" for _, p in workers]],
         stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert process.poll() is None, "smg exited"
-        time.sleep(0.5)
+    wait_until_answers(url + "/v1/models", process, timeout=120)
     yield url, [w for w, _ in workers]
     process.terminate()
     process.wait(30)
