@@ -32,9 +32,10 @@ log = logging.getLogger("kiln.server")
 
 # The exit status when a second signal, or a drain past its deadline, ends the process at once.
 FORCED_EXIT_CODE = 1
-# What a drain may take beyond the grace period (aborting what is left, the last messages, the
-# HTTP server's own shutdown) before the process is ended regardless.
-DRAIN_MARGIN_SECONDS = 10.0
+# What a drain may take beyond the grace period before the process is ended regardless: aborting
+# what is left (5 s at most), the WebSockets' last messages (5 s), the gRPC server's stop (5 s),
+# and the HTTP server's own shutdown.
+DRAIN_MARGIN_SECONDS = 20.0
 
 
 def _exit_now(code: int) -> None:
