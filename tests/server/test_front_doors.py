@@ -5,6 +5,10 @@ INTERNAL, for any value of any field (property-based over the gRPC services' fie
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import threading
+import time
 
 import grpc
 import httpx
@@ -21,7 +25,7 @@ from tritonclient.utils import InferenceServerException
 from websockets.sync.client import connect
 
 from tests.fake_program import expected_greedy
-from tests.server_process import free_port
+from tests.server_process import free_port, wait_until_answers
 
 MAX_N = 4
 PROMPT_IDS = [5, 9, 13, 40]
@@ -269,22 +273,35 @@ def test_vllm_engine_any_request_gets_an_answer_or_invalid_argument(doors, sampl
         assert error.code() in CLEAN_GRPC_CODES, (sampling, prompt, error.code(), error.details())
 
 
-def test_health_answers_while_a_50000_way_choice_compiles(doors):
+@pytest.fixture
+def server_of_its_own(fake_model_dir):
+    """A server in a process of its own: /health's latency is then the server's, not that of this
+    process's other threads (the session's in-process servers, the client encoding a 1 MB body)."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "tests.fake_server", str(fake_model_dir), str(port)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_answers(url + "/health", process, timeout=60)
+        yield url
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_health_answers_while_a_50000_way_choice_compiles(server_of_its_own):
     """The grammar compiles on a worker thread: /health keeps answering at once meanwhile, and the
     request itself is answered with one of the choices."""
-    import threading
-    import time
-
     choices = [f"option {i} of many" for i in range(50_000)]
+    body = json.dumps({"prompt": "pick", "guided_choice": choices, "max_tokens": 40, "temperature": 0, "n": 2})
     answer: dict = {}
 
     def ask():
-        answer["response"] = httpx.post(doors.url + "/v1/completions", timeout=120, json={
-            "prompt": "pick", "guided_choice": choices, "max_tokens": 40, "temperature": 0, "n": 2})
+        answer["response"] = httpx.post(server_of_its_own + "/v1/completions", timeout=120, content=body,
+                                        headers={"content-type": "application/json"})
 
     asking = threading.Thread(target=ask)
     latencies = []
-    with httpx.Client(base_url=doors.url, timeout=30) as client:
+    with httpx.Client(base_url=server_of_its_own, timeout=30) as client:
         client.get("/health")
         asking.start()
         while asking.is_alive():

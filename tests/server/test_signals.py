@@ -14,35 +14,11 @@ import pytest
 from kiln.server.main import DRAIN_MARGIN_SECONDS, FORCED_EXIT_CODE
 from tests.server_process import free_port, wait_until_answers
 
-# A `kiln serve` over the fake program, with a route that holds the event loop for ten minutes.
-SERVER = """
-import sys, time
-from kiln.runtime import GenerateService, ServiceConfig
-from kiln.runtime.contract import Artifacts
-from kiln.server.app import create_app, drain
-from kiln.server.main import KilnServer, uvicorn_config
-from kiln.server.settings import ServerSettings
-from tests.fake_program import FakeProgram
-
-directory, port = sys.argv[1], int(sys.argv[2])
-service = GenerateService(ServiceConfig(Artifacts.in_directory(directory)), program_factory=FakeProgram)
-settings = ServerSettings(port=port, served_model_names=("fake",), grace_seconds=1.0)
-app = create_app(service, settings)
-
-@app.get("/hold")
-async def hold():
-    time.sleep(600)  # never yields to the loop
-
-server = KilnServer(uvicorn_config(app, settings, log_level="warning"), drain=lambda: drain(app),
-                    grace_seconds=settings.grace_seconds)
-server.run()
-"""
-
 
 @pytest.fixture
 def stuck_server(fake_model_dir):
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-c", SERVER, str(fake_model_dir), str(port)])
+    process = subprocess.Popen([sys.executable, "-m", "tests.fake_server", str(fake_model_dir), str(port), "--hold-route"])
     url = f"http://127.0.0.1:{port}"
     wait_until_answers(url + "/health", process, timeout=60)
     try:
