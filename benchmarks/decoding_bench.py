@@ -1,6 +1,6 @@
 """Speculative decoding and structured output on SmolLM2-135M, each beside plain decoding.
 
-    python -m benchmarks.decoding_bench [--repeats 3]
+    python -m benchmarks.decoding_bench [--repeats 3] [--quantize auto]
 
 Speculative decoding (prompt lookup, k = 4 and 8): decode tokens/s on a workload that
 repeats its input (a ~500-token paragraph to be written out again with its typos fixed)
@@ -230,6 +230,9 @@ def _parses(text: str) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quantize", default="none",
+                        help="the weights, as `kiln serve --quantize` takes them (default: none, float32; auto: the "
+                        "bundled file's own Q4_1 blocks, what `kiln serve` runs with no flags)")
     parser.add_argument("--llamacpp", action="store_true",
                         help="instead: one request at a time, Kiln's prompt lookup beside llama.cpp's server with "
                         "and without its n-gram drafting (llama-server built and the GGUF converted first)")
@@ -238,7 +241,7 @@ def main() -> int:
         global CONCURRENCY
         CONCURRENCY = (1,)
         with heavy_lock():
-            artifacts = build_artifacts("float32")
+            artifacts = build_artifacts("float32", args.quantize)
             rows = speculative_figures(artifacts, args.repeats) + llamacpp_figures(artifacts, args.repeats)
         out = RESULTS_DIR / f"decoding-llamacpp-{datetime.date.today().isoformat()}.json"
         out.write_text(json.dumps({"model": "SmolLM2-135M-Instruct float32 (Kiln) and f32 GGUF (llama.cpp), CPU, "
@@ -246,10 +249,10 @@ def main() -> int:
         log(f"wrote {out}")
         return 0
     with heavy_lock():
-        artifacts = build_artifacts("float32")
+        artifacts = build_artifacts("float32", args.quantize)
         result = {
             "date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
-            "model": "SmolLM2-135M-Instruct float32, CPU", "repeats": args.repeats,
+            "model": f"SmolLM2-135M-Instruct float32 (--quantize {args.quantize}), CPU", "repeats": args.repeats,
             "speculative": speculative_figures(artifacts, args.repeats),
             "structured": structured_figures(artifacts, args.repeats),
         }

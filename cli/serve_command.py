@@ -126,8 +126,8 @@ def add_command(commands) -> None:
                         metavar="N", help="with ngram: the shortest n-gram looked up (default: %(default)s)")
     engine.add_argument("--speculative-disable-by-batch-size", type=_non_negative_int,
                         default=speculative.disable_by_batch_size, metavar="N",
-                        help="draft only while a decode batch has at most N rows; a verify call is a prefill, "
-                        "compute-bound on a CPU (default: %(default)s; 0: up to the largest prefill batch)")
+                        help="draft only while a decode batch has at most N rows; the drafts share the widest "
+                        "decode's rows with the batch (default: %(default)s; 0: while that decode has a row to spare)")
     engine.add_argument("--kv-events", action="store_true",
                         help="publish the prefix cache's KV events (pages stored and evicted) for cache-aware "
                         "routers: gRPC SubscribeKvEvents, and ZMQ with --kv-events-endpoint")

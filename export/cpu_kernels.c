@@ -226,7 +226,7 @@ void kiln_row_matmul_bf16(MEMREF_BF16(x), MEMREF_BF16(w), float *y_allocated, fl
  * row takes. Both scales apply inside the loop, so no per-block partial sums are written out.
  * The int8 x int8 products run as AVX512-VNNI's unsigned x signed dot products: |x| times w with
  * x's sign moved onto w. */
-enum { Q8_OFFSETS = 1, Q8_ROW_SCALES = 2 };
+enum { Q8_OFFSETS = 1, Q8_ROW_SCALES = 2, Q8_ROWS_SHIFT = 2 };
 
 #define MEMREF_I8(name) \
   const int8_t *name##_allocated, const int8_t *restrict name, size_t name##_offset, size_t name##_size, \
@@ -250,10 +250,9 @@ enum { Q8_OFFSETS = 1, Q8_ROW_SCALES = 2 };
   } while (0)
 
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-void kiln_row_matmul_q8(MEMREF_I8(q), MEMREF_F32(xs), MEMREF_F32(xsum), MEMREF_I8(w), MEMREF_F32(ws),
-                        MEMREF_F32(wo), float *y_allocated, float *restrict y, size_t y_offset, size_t y_size,
-                        size_t y_stride, size_t n_dim, size_t k_dim, size_t flags, size_t row0, size_t rows) {
-  BLOCK_OPERANDS_AT_OFFSETS();
+static void q8_one_input(const int8_t *q, const float *xs, const float *xsum, const int8_t *w, const float *ws,
+                         const float *wo, float *y, size_t n_dim, size_t k_dim, size_t flags, size_t row0,
+                         size_t rows) {
   const size_t groups = k_dim / 32;
   const int has_offset = (flags & Q8_OFFSETS) != 0;
   /* Block g's scales start at ws + g * scale_stride: the same [N] for every block with row scales. */
@@ -311,6 +310,20 @@ void kiln_row_matmul_q8(MEMREF_I8(q), MEMREF_F32(xs), MEMREF_F32(xsum), MEMREF_I
   }
 }
 
+/* M input rows (q [M, K], xs and xsum [M, G], y [M, N]; M is `flags` >> Q8_ROWS_SHIFT), each a
+ * pass of its own over this workgroup's weight rows (from the cache after the first): a row's
+ * result is the same whatever else shares the call. */
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+void kiln_row_matmul_q8(MEMREF_I8(q), MEMREF_F32(xs), MEMREF_F32(xsum), MEMREF_I8(w), MEMREF_F32(ws),
+                        MEMREF_F32(wo), float *y_allocated, float *restrict y, size_t y_offset, size_t y_size,
+                        size_t y_stride, size_t n_dim, size_t k_dim, size_t flags, size_t row0, size_t rows) {
+  BLOCK_OPERANDS_AT_OFFSETS();
+  const size_t groups = k_dim / 32, m_dim = flags >> Q8_ROWS_SHIFT;
+  for (size_t m = 0; m < m_dim; ++m)
+    q8_one_input(q + m * k_dim, xs + m * groups, xsum + m * groups, w, ws, wo, y + m * n_dim, n_dim, k_dim, flags,
+                 row0, rows);
+}
+
 /* The same product for 4-bit blocks stored two values a byte (Q4_0, Q4_1, Q4_K), half the bytes
  * of int8 values, for one input row or several (a decode step at batch M: q [M, K], xs and xsum
  * [M, G], y [M, N]). Each block of 32 is 16 bytes as ggml lays it out: byte j's low nibble is
@@ -354,6 +367,16 @@ static inline __m512i q4_dot(__m512i packed, __m512i x_low, __m512i x_high) {
   return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w_low, x_low), w_high, x_high);
 }
 
+/* Lanes 4i..4i+3 of a dot product are block i's: its input scale xs[i] in each (zero past `count`). */
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static inline __m512 q4_input_scale(const float *xs, size_t count) {
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps((__mmask16)((1u << count) - 1u), xs));
+}
+
+/* Every input row's product takes the same arithmetic whatever the number of rows, so that a
+ * decode step's results do not depend on its batch: each block's integer sum times the weight
+ * row's scale, then times the input's, added to the lane (q4_one_row and q4_rows alike). */
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static void q4_one_row(const int8_t *q, const float *xs, const int8_t *w, const float *ws, float *y, size_t n_dim,
                        size_t k_dim, size_t r, size_t end) {
@@ -372,16 +395,16 @@ static void q4_one_row(const int8_t *q, const float *xs, const int8_t *w, const 
       __m512i x_low, x_high;
       q4_input(q + g * 32, count, &x_low, &x_high);
       __m256 s[4];
-      for (size_t i = 0; i < 4; ++i)
-        s[i] = i < count ? _mm256_mul_ps(_mm256_set1_ps(xs[g + i]), _mm256_loadu_ps(ws + (g + i) * n_dim + r))
-                         : _mm256_setzero_ps();
+      for (size_t i = 0; i < 4; ++i) s[i] = i < count ? _mm256_loadu_ps(ws + (g + i) * n_dim + r) : _mm256_setzero_ps();
       __m512 scales01 = side_by_side(s[0], s[1]), scales23 = side_by_side(s[2], s[3]);
+      __m512 input_scale = q4_input_scale(xs + g, count);
       const __mmask64 bytes = count == 4 ? ~(__mmask64)0 : (((__mmask64)1 << (16 * count)) - 1);
       for (int j = 0; j < 8; ++j) {
         const int8_t *row = w + (r + j) * row_bytes + g * 16;
         _mm_prefetch((const char *)(row + Q4_PREFETCH_ROWS * row_bytes), _MM_HINT_T0);
-        __m512i dot = q4_dot(_mm512_maskz_loadu_epi8(bytes, row), x_low, x_high);
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutex2var_ps(scales01, pick[j], scales23), acc[j]);
+        __m512 dot = _mm512_cvtepi32_ps(q4_dot(_mm512_maskz_loadu_epi8(bytes, row), x_low, x_high));
+        acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(dot, _mm512_permutex2var_ps(scales01, pick[j], scales23)),
+                                 input_scale, acc[j]);
       }
     }
     for (int j = 0; j < 8; ++j) y[r + j] += _mm512_reduce_add_ps(acc[j]);
@@ -398,7 +421,6 @@ static void q4_rows(const int8_t *q, const float *xs, const int8_t *w, const flo
   for (int j = 0; j < 4; ++j)
     pick[j] = _mm512_set_epi32(12 + j, 12 + j, 12 + j, 12 + j, 8 + j, 8 + j, 8 + j, 8 + j,
                                4 + j, 4 + j, 4 + j, 4 + j, j, j, j, j);
-  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   for (; r + 4 <= end; r += 4) {
     for (size_t m0 = 0; m0 < m_dim; m0 += 4) {
       const size_t inputs = m_dim - m0 < 4 ? m_dim - m0 : 4;
@@ -408,7 +430,6 @@ static void q4_rows(const int8_t *q, const float *xs, const int8_t *w, const flo
       for (size_t g = 0; g < groups; g += 4) {
         const size_t count = groups - g < 4 ? groups - g : 4;
         const __mmask64 bytes = count == 4 ? ~(__mmask64)0 : (((__mmask64)1 << (16 * count)) - 1);
-        const __mmask16 blocks = (__mmask16)((1u << count) - 1u);
         __m128 s[4];
         for (size_t i = 0; i < 4; ++i) s[i] = i < count ? _mm_loadu_ps(ws + (g + i) * n_dim + r) : _mm_setzero_ps();
         __m512 scales = _mm512_insertf32x4(
@@ -425,7 +446,7 @@ static void q4_rows(const int8_t *q, const float *xs, const int8_t *w, const flo
           const size_t m = m0 + i;
           __m512i x_low, x_high;
           q4_input(q + m * k_dim + g * 32, count, &x_low, &x_high);
-          __m512 input_scale = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(blocks, xs + m * groups + g));
+          __m512 input_scale = q4_input_scale(xs + m * groups + g, count);
           for (int j = 0; j < 4; ++j) {
             __m512 dot = _mm512_cvtepi32_ps(q4_dot(packed[j], x_low, x_high));
             acc[i][j] = _mm512_fmadd_ps(_mm512_mul_ps(dot, row_scale[j]), input_scale, acc[i][j]);
@@ -456,13 +477,12 @@ void kiln_row_matmul_q4(MEMREF_I8(q), MEMREF_F32(xs), MEMREF_F32(xsum), MEMREF_I
       _mm512_mask_storeu_ps(y + m * n_dim + r, lanes, sum);
     }
   }
-  /* The rows the vector loops leave (fewer than a whole group at the end of N) one at a time. */
-  const size_t side = m_dim == 1 ? 8 : 4;
-  const size_t whole = row0 + (end - row0) / side * side;
-  if (m_dim == 1)
-    q4_one_row(q, xs, w, ws, y, n_dim, k_dim, row0, whole);
-  else
-    q4_rows(q, xs, w, ws, y, n_dim, k_dim, m_dim, row0, whole);
+  /* One input row reads eight weight rows at a time, then four; several read four. The rows the
+   * vector loops leave (fewer than four at the end of N) go one at a time. */
+  const size_t whole = row0 + (end - row0) / 4 * 4;
+  const size_t eights = m_dim == 1 ? row0 + (end - row0) / 8 * 8 : row0;
+  q4_one_row(q, xs, w, ws, y, n_dim, k_dim, row0, eights);
+  q4_rows(q, xs, w, ws, y, n_dim, k_dim, m_dim, eights, whole);
   for (size_t m = 0; m < m_dim; ++m) {
     for (size_t r = whole; r < end; ++r) {
       const uint8_t *row = (const uint8_t *)w + r * row_bytes;

@@ -1,15 +1,16 @@
 """Hand-written CPU kernels for the weight matmuls of a one-token step, linked into the VMFB.
 
-At batch 1 a decode step's time is the time to read its weights. `cpu_kernels.c` holds one-row
-matmuls for float32, bfloat16 and block-quantized int8 weights (Q8_0, Q4_0, Q4_1: both scales,
-the offset term and the sum over the blocks in one loop), and one-token matmuls of several rows
-(a decode step's batch) for float32 and for 4-bit blocks stored two values a byte (Q4_0, Q4_1,
-Q4_K), that read several weight rows side by side with a prefetch ahead of them. The export compiles them with the system's C
-compiler into an object file beside the MLIR, and each weight matmul of those kinds becomes a
-dispatch of one: a `stream.executable` whose function calls the object's symbol, which IREE
-links into its embedded ELF (IREE's "custom dispatch" mechanism); the int8 block kernel also takes
-int8 weights with a scale per row, each block taking its row's. Every other matmul (prefill,
-decode at several rows of bfloat16 or int8, the block types of 16) keeps IREE's code.
+At batch 1 a decode step's time is the time to read its weights. `cpu_kernels.c` holds the
+one-token matmuls of a decode step's rows for float32, bfloat16 and block-quantized int8 weights
+(Q8_0, Q4_0, Q4_1: both scales, the offset term and the sum over the blocks in one loop; 4-bit
+blocks stored two values a byte for Q4_0, Q4_1 and Q4_K), that read several weight rows side by
+side with a prefetch ahead of them. Each input row's result is computed the same way whatever
+other rows share the call, so that a decode step's results do not depend on its batch. The
+export compiles them with the system's C compiler into an object file beside the MLIR, and each
+weight matmul of those kinds becomes a dispatch of one: a `stream.executable` whose function
+calls the object's symbol, which IREE links into its embedded ELF (IREE's "custom dispatch"
+mechanism); the int8 block kernel also takes int8 weights with a scale per row, each block
+taking its row's. Every other matmul (prefill, the block types of 16) keeps IREE's code.
 What they measured against IREE's kernels: benchmarks/NOTES.md, "Hand-written one-row matmuls".
 The same object holds the decode attention kernel that export/cpu_attention.py dispatches.
 
@@ -44,9 +45,8 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # Output rows a workgroup computes: enough work per workgroup to hide its dispatch, and enough
 # workgroups for both task workers on the narrowest projection (576 rows: 9 workgroups).
 ROWS_PER_WORKGROUP = 64
-# The most input rows the float32 kernel takes (a decode step's batch); more are IREE's, whose
-# packed matmul is the faster form once the products outweigh the weight stream.
-KERNEL_ROWS = 16
+# The int8 kernel's flags hold its input row count above this many bits (cpu_kernels.c).
+Q8_ROWS_SHIFT = 2
 # Freestanding code for IREE's embedded ELF loader: position independent, no stack protector
 # (it would call into libc), no unwind tables.
 C_FLAGS = ("-O3", "-mavx512f", "-mfma", "-ffreestanding", "-fPIC", "-fno-stack-protector",
@@ -220,18 +220,17 @@ class row_matmul(CustomOp):
 
 def _row_blocks_text(name: str, k: int, n: int, has_offset: bool, packed: bool = False, m: int = 1,
                      row_scales: bool = False) -> str:
-    """A module holding the block kernel's executable and `name`, which dispatches it on the
-    quantized input (q [1, K] int8, its block scales xs [G] and, with offsets, its block sums
-    xsum [G]) and a block weight (w [N, K] int8, scales ws [G, N], offsets wo [G, N]) for
-    y [1, N] in float32. Without offsets, xs and ws stand in for the unread xsum and wo.
+    """A module holding the block kernel's executable and `name`, which dispatches it on `m` rows
+    of quantized input (q [M, K] int8, its block scales xs [M, G] and, with offsets, its block
+    sums xsum [M, G]) and a block weight (w [N, K] int8, scales ws [G, N], offsets wo [G, N]) for
+    y [M, N] in float32. Without offsets, xs and ws stand in for the unread xsum and wo.
     `row_scales`: an int8 weight with a scale per row (ws [N]) that every block takes.
-    `packed`: the 4-bit kernel, w holding values two a byte ([N, K / 2]) with offsets, for `m`
-    input rows (q [M, K], xs and xsum [M, G], y [M, N]). The executable reads every size from its
-    operands, so those of all shapes are one and the same (IREE merges them; executables of one
-    name and different bodies would clash)."""
+    `packed`: the 4-bit kernel, w holding values two a byte ([N, K / 2]) with offsets. The
+    executable reads every size from its operands, so those of all shapes are one and the same
+    (IREE merges them; executables of one name and different bodies would clash)."""
     groups, width = k // BLOCK, k // 2 if packed else k
     i8, f32 = "memref<?xi8>", "memref<?xf32>"
-    input_sums = ((m, groups) if packed else (groups,), "f32")
+    input_sums = ((m, groups), "f32")
     scales = (n,) if row_scales else (groups, n)
     operands = [("q", (m, k), "i8"), ("xs", *input_sums), ("w", (n, width), "i8"), ("ws", scales, "f32")]
     if has_offset:
@@ -244,13 +243,17 @@ def _row_blocks_text(name: str, k: int, n: int, has_offset: bool, packed: bool =
                             f"tensor<{dims[0] * dims[1]}x{element}>" for a, dims, element in operands if len(dims) == 2)
     if not has_offset:
         flat["xsum"], flat["wo"] = flat["xs"], flat["ws"]
-    # The third size operand: the int8 kernel's flags (Q8_OFFSETS 1, Q8_ROW_SCALES 2 in
-    # cpu_kernels.c), or how many input rows the 4-bit one (which always adds offsets) takes.
-    symbol, third = ("kiln_row_matmul_q4", m) if packed else ("kiln_row_matmul_q8", int(has_offset) | 2 * row_scales)
+    # The third size operand: how many input rows the 4-bit kernel (which always adds offsets)
+    # takes, or the int8 kernel's flags (Q8_OFFSETS 1, Q8_ROW_SCALES 2 in cpu_kernels.c) with the
+    # row count above them (Q8_ROWS_SHIFT). The row count is an operand, so that one body serves
+    # every shape.
+    if packed:
+        symbol, third, m_line = "kiln_row_matmul_q4", m, "%m = arith.addi %third, %c0 : index"
+    else:
+        symbol, third = "kiln_row_matmul_q8", int(has_offset) | 2 * row_scales | m << Q8_ROWS_SHIFT
+        m_line = f"%rows_shift = arith.constant {Q8_ROWS_SHIFT} : index\n      %m = arith.shrui %third, %rows_shift : index"
     export = "row_nibbles" if packed else "row_blocks"  # one name per body: IREE links them all into one
     w_size = "%nk_packed" if packed else "%nk"
-    # The 4-bit kernel's row count is an operand, so that one body serves every shape.
-    m_line = "%m = arith.addi %third, %c0 : index" if packed else "%m = arith.constant 1 : index"
     # The scale (and offset) tables' length: [G, N], or [N] where the int8 kernel's flags say row
     # scales (its offsets, when it has any, are [G, N] as its scales are; without, wo is ws).
     ws_size = ("%ws_size = arith.muli %groups, %n : index" if packed else
@@ -313,14 +316,14 @@ util.func private @{name}({arguments}) -> tensor<{m}x{n}xf32> {{
 def _check_row_blocks(ksel: KernelSelection, count: int, packed: bool = False):
     args = [ksel.arg_tensor(i) for i in range(count)]
     q, xs, w, ws = args[:4]
-    torch._check(q.t.dtype == w.t.dtype == torch.int8 and q.t.dim() == w.t.dim() == 2 and (packed or q.t.shape[0] == 1),
-                 lambda: "row_blocks: int8 q [1, K] and w [N, K] (or q [M, K] and w [N, K / 2], two values a byte)")
+    torch._check(q.t.dtype == w.t.dtype == torch.int8 and q.t.dim() == w.t.dim() == 2,
+                 lambda: "row_blocks: int8 q [M, K] and w [N, K] (or [N, K / 2], two values a byte)")
     width = q.t.shape[1] // 2 if packed else q.t.shape[1]
     torch._check(w.t.shape[1] == width and q.t.shape[1] % BLOCK == 0,
                  lambda: f"row_blocks: K a multiple of {BLOCK}, the same in q and w")
     groups, n = q.t.shape[1] // BLOCK, w.t.shape[0]
-    torch._check(tuple(ws.t.shape) in ((groups, n), (n,)) and (packed or q.t.dim() == 2),
-                 lambda: "row_blocks: block scales ws [G, N] (or row scales ws [N])")
+    torch._check(tuple(ws.t.shape) in ((groups, n), (n,)) and tuple(xs.t.shape) == (q.t.shape[0], groups),
+                 lambda: "row_blocks: input scales xs [M, G], block scales ws [G, N] (or row scales ws [N])")
     floats = [arg for index, arg in enumerate(args) if index not in (0, 2)]
     torch._check(all(a.t.dtype == torch.float32 for a in floats), lambda: "row_blocks: float32 scales and sums")
     for arg in args:
@@ -328,10 +331,16 @@ def _check_row_blocks(ksel: KernelSelection, count: int, packed: bool = False):
     ksel.return_new_tensor([q.t.shape[0], w.t.shape[0]], torch.float32).specialize_dims(0, 1)
 
 
+def eager_rows_blocks(q, xs, w, ws, xsum=None, wo=None):
+    """`eager_row_blocks` for each of M input rows (q [M, K], xs and xsum [M, G]): [M, N]."""
+    return torch.cat([eager_row_blocks(q[i:i + 1], xs[i], w, ws, None if xsum is None else xsum[i], wo)
+                      for i in range(q.shape[0])])
+
+
 def eager_row_blocks(q, xs, w, ws, xsum=None, wo=None):
-    """The block kernel's arithmetic in torch: block g's int8 sum times ws[g] (ws [G, N]; or the
-    row scales ws [N] for every block), plus xsum[g] times wo[g], times xs[g], summed over the
-    blocks."""
+    """The block kernel's arithmetic in torch for one input row (q [1, K], xs and xsum [G]):
+    block g's int8 sum times ws[g] (ws [G, N]; or the row scales ws [N] for every block), plus
+    xsum[g] times wo[g], times xs[g], summed over the blocks."""
     groups = q.shape[1] // BLOCK
     sums = (q.view(groups, 1, BLOCK).double() @ w.view(-1, groups, BLOCK).permute(1, 2, 0).double()).float()
     blocks = sums[:, 0, :] * ws  # [G, N]
@@ -343,8 +352,8 @@ def eager_row_blocks(q, xs, w, ws, xsum=None, wo=None):
 @CustomOp.register(library=KILN_LIBRARY)
 class row_blocks(CustomOp):
     """A block-quantized weight (w [N, K] int8, ws [G, N]), or an int8 one with row scales
-    (ws [N]), times one int8 row in blocks of 32 (q [1, K], xs [G]): float32 [1, N], through the
-    hand-written kernel."""
+    (ws [N]), times M int8 rows in blocks of 32 (q [M, K], xs [M, G]): float32 [M, N], through the
+    hand-written kernel, each row's result the same whatever rows share the call."""
 
     signature = "row_blocks(Tensor q, Tensor xs, Tensor w, Tensor ws) -> Tensor"
 
@@ -352,13 +361,14 @@ class row_blocks(CustomOp):
         _check_row_blocks(ksel, 4)
 
     def eager_execute(self, q, xs, w, ws):
-        return eager_row_blocks(q, xs, w, ws)
+        return eager_rows_blocks(q, xs, w, ws)
 
     def generate(self, ksel: KernelSelection, kb: KernelBuilder):
+        m = ir.RankedTensorType(kb.arg_bindings[0].type).shape[0]
         n, k = ir.RankedTensorType(kb.arg_bindings[2].type).shape
         row_scales = ir.RankedTensorType(kb.arg_bindings[3].type).rank == 1
-        name = f"kiln_row_blocks_{'row_scales_' if row_scales else ''}{n}x{k}"
-        emit_function(kb, name, _row_blocks_text(name, k, n, has_offset=False, row_scales=row_scales))
+        name = f"kiln_row_blocks_{'row_scales_' if row_scales else ''}{m}x{n}x{k}"
+        emit_function(kb, name, _row_blocks_text(name, k, n, has_offset=False, m=m, row_scales=row_scales))
 
 
 @CustomOp.register(library=KILN_LIBRARY)
@@ -371,12 +381,13 @@ class row_blocks_offset(CustomOp):
         _check_row_blocks(ksel, 6)
 
     def eager_execute(self, q, xs, w, ws, xsum, wo):
-        return eager_row_blocks(q, xs, w, ws, xsum, wo)
+        return eager_rows_blocks(q, xs, w, ws, xsum, wo)
 
     def generate(self, ksel: KernelSelection, kb: KernelBuilder):
+        m = ir.RankedTensorType(kb.arg_bindings[0].type).shape[0]
         n, k = ir.RankedTensorType(kb.arg_bindings[2].type).shape
-        name = f"kiln_row_blocks_offset_{n}x{k}"
-        emit_function(kb, name, _row_blocks_text(name, k, n, has_offset=True))
+        name = f"kiln_row_blocks_offset_{m}x{n}x{k}"
+        emit_function(kb, name, _row_blocks_text(name, k, n, has_offset=True, m=m))
 
 
 @CustomOp.register(library=KILN_LIBRARY)
@@ -391,8 +402,7 @@ class row_nibbles(CustomOp):
         _check_row_blocks(ksel, 6, packed=True)
 
     def eager_execute(self, q, xs, w, ws, xsum, wo):
-        values = unpack_nibbles(w)
-        return torch.cat([eager_row_blocks(q[i:i + 1], xs[i], values, ws, xsum[i], wo) for i in range(q.shape[0])])
+        return eager_rows_blocks(q, xs, unpack_nibbles(w), ws, xsum, wo)
 
     def generate(self, ksel: KernelSelection, kb: KernelBuilder):
         m = ir.RankedTensorType(kb.arg_bindings[0].type).shape[0]
@@ -401,28 +411,28 @@ class row_nibbles(CustomOp):
         emit_function(kb, name, _row_blocks_text(name, width * 2, n, has_offset=True, packed=True, m=m))
 
 
-def one_row_blocks(q, xs, w, ws, xsum=None, wo=None):
-    """`one_row_blocks` of the matmul contract (models/quantize.py) as the block kernel."""
+def rows_blocks(q, xs, w, ws, xsum=None, wo=None):
+    """`rows_blocks` of the matmul contract (models/quantize.py) as the block kernel."""
     return row_blocks(q, xs, w, ws) if wo is None else row_blocks_offset(q, xs, w, ws, xsum, wo)
 
 
 def row_matmul_kernel(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None,
                       x_sum: torch.Tensor | None = None, w_offset: torch.Tensor | None = None) -> torch.Tensor:
-    """`weight_matmul_kernel`'s contract, plus float32 weights: a decode step's rows of float32
-    (up to KERNEL_ROWS), or a single row of bfloat16 where the CPU has AVX512-BF16, run the
-    hand-written kernel; a prefill's rows run IREE's kernels, and so do several rows of bfloat16
-    (they hold their own there) and int8 weights."""
+    """`weight_matmul_kernel`'s contract, plus float32 weights: a decode step's rows of float32,
+    or of bfloat16 where the CPU has AVX512-BF16, run the hand-written kernel at every batch size,
+    whose arithmetic for a row is the same whatever rows share the call (IREE's packed matmul,
+    faster at a wide batch, tiles its sums by the batch); a prefill's rows run IREE's kernels."""
     rows = x.shape[0] if x.dim() == 2 and isinstance(x.shape[0], int) else None
-    if w.dtype == torch.bfloat16 and rows == 1 and bf16_supported():
+    if w.dtype == torch.bfloat16 and rows is not None and bf16_supported():
         return row_matmul(x, w)
     if w.dtype != torch.float32:
         return weight_matmul_kernel(x, w, w_scale, x_sum, w_offset)
-    return row_matmul(x, w) if rows is not None and rows <= KERNEL_ROWS else x @ w.transpose(-1, -2)
+    return row_matmul(x, w) if rows is not None else x @ w.transpose(-1, -2)
 
 
-# A block weight times one row of input, whole (models/quantize.py's `one_row_blocks`, and
+# A block weight times rows of input, whole (models/quantize.py's `rows_blocks`, and
 # `rows_nibbles` for 4-bit values two a byte and any rows of input), where this CPU runs the
 # block kernels.
 if blocks_supported():
-    row_matmul_kernel.one_row_blocks = one_row_blocks
+    row_matmul_kernel.rows_blocks = rows_blocks
     row_matmul_kernel.rows_nibbles = row_nibbles

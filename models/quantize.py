@@ -34,10 +34,11 @@ ms of a decode step for the tied embedding's.
 
 The narrow kernel is a function the model is given (`matmul`): eager torch runs
 `eager_weight_matmul`; the export passes an IREE custom op with the same arithmetic. A kernel
-may also offer `matmul.one_row_blocks(q [1, K], xs [G], w [N, K], ws [G, N], xsum [G], wo [G, N])`,
-a block weight times one quantized row of input whole (both scales, the offset term and the sum
-over the blocks in one call): a one-row product in blocks of 32 then goes there instead, and so
-does an int8 one with row scales (ws [N], its input quantized per 32 rather than per group). And
+may also offer `matmul.rows_blocks(q [M, K], xs [M, G], w [N, K], ws [G, N], xsum [M, G], wo [G, N])`,
+a block weight times M quantized rows of input whole (both scales, the offset term and the sum
+over the blocks in one call), each row's result the same whatever rows share the call: a
+one-token product in blocks of 32 (a decode step at any batch size) then goes there instead, and
+so does an int8 one with row scales (ws [N], its input quantized per 32 rather than per group). And
 `matmul.rows_nibbles(q [M, K], xs [M, G], w [N, K / 2], ws, xsum [M, G], wo)`, the same for M
 rows of input and 4-bit values stored two a byte (`pack_nibbles`): where the kernel offers it,
 the 4-bit types (NIBBLE_TYPES) keep their values that way and every one-token product (a decode
@@ -177,12 +178,12 @@ def weight_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
         return matmul(rows.to(weight.dtype), weight).view(*x.shape[:-1], n)
     blocks = scale.dim() == 2
     group = k // scale.shape[0] if blocks else activation_group(k)
-    whole = getattr(matmul, "one_row_blocks", None)
-    # One row whole through the block kernel: blocks of 32, or int8 with row scales (every block
+    whole = getattr(matmul, "rows_blocks", None)
+    # The rows whole through the block kernel: blocks of 32, or int8 with row scales (every block
     # of a row takes the row's scale; its input quantized per 32 rather than per group).
-    if whole is not None and rows.shape[0] == 1 and (group == BLOCK if blocks else k % BLOCK == 0):
+    if whole is not None and (group == BLOCK if blocks else k % BLOCK == 0):
         q, row_scale, x_sum = _blocks_of_input(rows)
-        out = whole(q, row_scale.view(-1), weight, scale, None if offset is None else x_sum.view(-1), offset)
+        out = whole(q, row_scale, weight, scale, None if offset is None else x_sum, offset)
         return out.view(*x.shape[:-1], n)
     q, row_scale = quantize_rows(rows.float().view(-1, k // group, group))  # [M, G, g], [M, G, 1]
     q, w = q.transpose(0, 1), weight.view(n, k // group, group).transpose(0, 1)  # [G, M, g], [G, N, g]

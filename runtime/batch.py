@@ -17,8 +17,8 @@ class Phase(str, enum.Enum):
     DECODE = "decode"  # feed each row's last token and sample the next
     DENOISE = "denoise"  # a diffusion LM's pass over each row's window (logits at every position)
     VERIFY = "verify"  # APD: the verifier's prefill over each row's draft (logits at every position)
-    # Speculative decoding: each row feeds its last token and its draft tokens through prefill,
-    # and the logits at every position say how much of the draft the model agrees with.
+    # Speculative decoding: each row feeds its last token and its draft tokens, a decode row
+    # each, and the logits of every one say how much of the draft the model agrees with.
     SPECULATE = "speculate"
 
 

@@ -40,8 +40,8 @@ class Executor:
     def _invoke(self, invocation: Invocation) -> list[np.ndarray | None]:
         logits = self.program.call(invocation.function, *invocation.arguments, self.cache)
         # A live view of the device's result: copy only the rows that are read.
-        return [np.array(logits[row, at], dtype=np.float32) if want else None
-                for row, (at, want) in enumerate(zip(invocation.read_at, invocation.wanted))]
+        return [np.array(logits[at], dtype=np.float32) if want else None
+                for at, want in zip(invocation.read_at, invocation.wanted)]
 
     async def copy_pages(self, host_tier) -> list:
         """The host tier's waiting copies (kvcache.host_tier), on the thread the model's calls
@@ -49,7 +49,8 @@ class Executor:
         return await asyncio.get_running_loop().run_in_executor(self._thread, host_tier.flush, self.cache.to_host())
 
     async def run(self, batch: Batch) -> list[np.ndarray | None]:
-        """Logits [V] for each row that samples, [len(chunk), V] for full_logits rows, else None."""
+        """Logits [V] for each row that samples, [len(chunk), V] for full_logits rows and the rows of
+        a speculation batch, else None."""
         try:
             invocation = build_invocation(batch, self.program.capabilities, self.page_count, self.vocab_size)
         except InvocationError:

@@ -24,12 +24,15 @@ class InvocationError(GenerationError):
 class Invocation:
     function: str
     arguments: tuple[np.ndarray, ...]  # in the contract's order, all but the cache
-    read_at: tuple[int | slice, ...]  # for each row: the logits position (or positions) to read
+    # For each row of the batch: where its logits lie in the result, (call rows, positions).
+    read_at: tuple[tuple[int | slice, int | slice], ...]
     wanted: tuple[bool, ...]  # rows whose logits are read at all
 
 
 def build_invocation(batch: Batch, abi: Capabilities, page_count: int, vocab_size: int) -> Invocation:
     """The function to call and its arguments; InvocationError for anything off the contract."""
+    if batch.phase is Phase.SPECULATE:
+        return _speculation_as_decode(batch, abi, page_count, vocab_size)
     rows, stride = batch.batch_size, abi.block_seq_stride
     if batch.rows > rows or not batch.rows:
         raise InvocationError(f"{batch.rows} rows for a batch of {rows}")
@@ -83,19 +86,41 @@ def build_invocation(batch: Batch, abi: Capabilities, page_count: int, vocab_siz
         table[row, : len(pages)] = pages
     _validate(batch, abi, page_count, vocab_size, tokens, seq_lens, table)
 
-    read_at: list[int | slice] = []
-    for chunk, full in zip(batch.tokens, batch.full_logits):
+    read_at: list[tuple[int, int | slice]] = []
+    for row, (chunk, full) in enumerate(zip(batch.tokens, batch.full_logits)):
         if batch.phase is Phase.DENOISE:  # logits or summaries, every position of the window
-            read_at.append(slice(0, len(chunk)))
+            read_at.append((row, slice(0, len(chunk))))
         elif last_only:
-            read_at.append(0)
+            read_at.append((row, 0))
         else:  # every position of the chunk for prompt logprobs, else its last
-            read_at.append(slice(0, len(chunk)) if full else len(chunk) - 1)
+            read_at.append((row, slice(0, len(chunk)) if full else len(chunk) - 1))
     wanted = tuple(samples or full for samples, full in zip(batch.samples, batch.full_logits))
     named = {"tokens": tokens, "start_pos": starts, "start_positions": starts, "seq_lens": seq_lens,
              "seq_block_ids": table}
     arguments = tuple(named[arg] for arg in argument_names(kind, abi.has_prefill_position) if arg != "cache")
     return Invocation(name, arguments, tuple(read_at), wanted)
+
+
+def _speculation_as_decode(batch: Batch, abi: Capabilities, page_count: int, vocab_size: int) -> Invocation:
+    """A speculation batch (each row its last token and its draft) as one decode call with a row
+    per token: the row for a draft's i-th token sits at its own position and attends to the
+    tokens before it, whose K/V the rows before it write in the same call (decode writes every
+    row's K/V before any row attends). So each token's logits are what plain decoding would
+    compute one step at a time, through the same kernels, whose results for a row do not depend
+    on the rows beside it; a prefill over the draft would run other kernels and round otherwise."""
+    rows: list[tuple] = []  # (sequence, start, token, table) per call row
+    read_at = []
+    for seq_id, start, chunk, table in zip(batch.seq_ids, batch.starts, batch.tokens, batch.block_tables):
+        read_at.append((slice(len(rows), len(rows) + len(chunk)), 0))
+        rows += [(seq_id, start + i, (token,), table) for i, token in enumerate(chunk)]
+    if len(rows) > batch.batch_size:
+        raise InvocationError(f"a speculation batch of {len(rows)} tokens for a decode of {batch.batch_size} rows")
+    seq_ids, starts, tokens, tables = zip(*rows)
+    decode = Batch(Phase.DECODE, batch.batch_size, seq_ids, starts, tokens, tables, (True,) * len(rows),
+                   (False,) * len(rows))
+    call = build_invocation(decode, abi, page_count, vocab_size)
+    wanted = tuple(samples or full for samples, full in zip(batch.samples, batch.full_logits))
+    return Invocation(call.function, call.arguments, tuple(read_at), wanted)
 
 
 def _validate(batch: Batch, abi: Capabilities, page_count: int, vocab_size: int, tokens, seq_lens, table) -> None:

@@ -90,10 +90,14 @@ class LLM:
         return list(await asyncio.gather(*(one(ids) for ids in prompt_ids)))
 
     def close(self) -> None:
+        """Stop the service and let go of it: its program, weights and KV cache are freed now,
+        not when this object is (a `with LLM(...) as llm:` name outlives its block)."""
         if self._loop.is_running():
             self._call(self.service.stop(grace_seconds=0))
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
+            self._loop.close()
+        self.service = None
 
     def __enter__(self):
         return self

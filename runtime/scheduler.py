@@ -262,22 +262,26 @@ class Scheduler(BaseScheduler):
         return self._batch(Phase.DECODE, size, chosen, starts, chunks, [True] * len(chosen), (False,) * len(chosen))
 
     def speculative_batch(self, batch: Batch, drafts: list[list[int]]) -> Batch:
-        """A decode batch with each row's draft after its last token: one prefill call whose
-        logits at every position check the drafts. Drafts are cut to what the sequence may
-        still generate and to the pages the pool can spare without preempting anyone; where
-        no row keeps a draft, the decode batch itself."""
+        """A decode batch with each row's draft after its last token: one decode call with a row
+        per token (runtime/invocation.py), whose logits check the drafts. Drafts are cut to what
+        the sequence may still generate, to the rows the widest decode has left, and to the pages
+        the pool can spare without preempting anyone; where no row keeps a draft, the decode
+        batch itself."""
         seqs = self.sequences_of(batch)
+        spare = self.config.decode_batch_sizes[-1] - len(seqs)  # call rows left once each feeds its last token
         kept = []
-        for seq, draft in zip(seqs, drafts):
+        for left, (seq, draft) in zip(range(len(seqs), 0, -1), zip(seqs, drafts)):
             room = min(seq.params.max_tokens - seq.generated, self.config.max_seq_len - len(seq.tokens)) - 1
-            draft = list(draft[: max(room, 0)])
+            share = spare // left  # an even share of the rows left: what a row leaves, the next may take
+            draft = list(draft[: max(min(room, share), 0)])
             if draft and not self.cache.extend_allocation(seq.allocation, len(seq.tokens) + len(draft)):
                 draft = []
+            spare -= len(draft)
             kept.append(draft)
         if not any(kept):
             return batch
         chunks = [(seq.tokens[-1], *draft) for seq, draft in zip(seqs, kept)]
-        size = smallest_fitting(self.config.prefill_batch_sizes, len(seqs))
+        size = smallest_fitting(self.config.decode_batch_sizes, sum(map(len, chunks)))
         return self._batch(Phase.SPECULATE, size, seqs, batch.starts, chunks, batch.samples, (True,) * len(seqs))
 
     def _beams_to_decode(self, request, chosen: list[Sequence], largest: int) -> list[Sequence]:

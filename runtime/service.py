@@ -264,14 +264,14 @@ class GenerateService:
         return len(other)
 
     def _speculator(self, abi, scheduler: Scheduler) -> Speculator:
-        """Speculative decoding's drafter, checked against the target export: verifying drafts
-        needs a prefill that takes start positions and returns every position's logits."""
+        """Speculative decoding's drafter, checked against the target export: drafts are verified
+        through its decode, a row per token, so the widest decode needs a row for a draft."""
         spec = self.config.speculative
         if abi.is_diffusion:
             raise ModelLoadError("speculative decoding is for autoregressive models; this one is a diffusion LM")
-        if not abi.has_prefill_position or not abi.every_position_logits:
-            raise ModelLoadError("speculative decoding needs a prefill that takes start positions and returns "
-                                 "every position's logits (the default export)")
+        if abi.decode_batch_sizes[-1] < 2:
+            raise ModelLoadError("speculative decoding verifies a draft through decode, a row per token: this "
+                                 "export's widest decode has one row (export it with --bs-decode up to 2 or more)")
         if spec.method == "ngram":
             return Speculator(scheduler, spec.num_tokens, self.vocab_size, max_rows=spec.disable_by_batch_size,
                               lookup=PromptLookup(spec.prompt_lookup_max, spec.prompt_lookup_min))

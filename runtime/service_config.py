@@ -28,8 +28,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # longest n-gram prompt lookup matches (it tries shorter ones next)
     prompt_lookup_min: int = 1
     # Speculate only while a decode batch has at most this many rows (vLLM's
-    # speculative_disable_by_batch_size): a verify call is a prefill, compute-bound on a CPU,
-    # and a wider batch gains less from drafts than the call costs. 0: up to the largest prefill batch.
+    # speculative_disable_by_batch_size): the drafts share the widest decode's rows with the
+    # batch, and a wider batch gains less from drafts than its extra rows cost. 0: while the
+    # widest decode has a row to spare.
     disable_by_batch_size: int = 1
 
     def __post_init__(self):

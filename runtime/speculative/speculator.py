@@ -1,10 +1,10 @@
 """The speculator: between the scheduler's decision and the device call, drafts for a
 decode batch's rows; after the call, which of them each row keeps.
 
-It applies where it can pay: a decode batch no wider than `max_rows` and the largest prefill
-batch (the verify call is a prefill), rows with no grammar to follow and no opt-out. A row without
-a draft still rides along in the verify call, feeding its one token; a batch in which no
-row has a draft stays a plain decode call.
+It applies where it can pay: a decode batch no wider than `max_rows`, rows with no grammar to
+follow and no opt-out. The verify call is a decode with a row per token (runtime/invocation.py),
+so the drafts share the widest decode's rows. A row without a draft still rides along in the
+verify call, feeding its one token; a batch in which no row has a draft stays a plain decode call.
 """
 
 from __future__ import annotations
@@ -40,12 +40,12 @@ class SpeculationCounters:
 class Speculator:
     def __init__(self, scheduler, num_tokens: int, vocab_size: int, lookup: PromptLookup | None = None,
                  draft_model: DraftModel | None = None, max_rows: int = 0):
-        """`max_rows`: the widest decode batch drafted for (0: the largest prefill batch)."""
+        """`max_rows`: the widest decode batch drafted for (0: any the widest decode has room beside)."""
         if (lookup is None) == (draft_model is None):
             raise ValueError("a speculator drafts with prompt lookup or a draft model, one of them")
         self.scheduler = scheduler
         self.num_tokens = num_tokens
-        widest = scheduler.config.prefill_batch_sizes[-1]
+        widest = scheduler.config.decode_batch_sizes[-1] - 1  # a sequence and one draft token
         self.max_rows = min(max_rows, widest) if max_rows else widest
         self.vocab_size = vocab_size
         self.lookup = lookup

@@ -147,7 +147,7 @@ def _compile_blocks_alone(directory, k: int, n: int, has_offset: bool, packed: b
     body = cpu_kernels._row_blocks_text(name, k, n, has_offset, packed, m, row_scales).strip()
     groups = k // 32
     width = k // 2 if packed else k
-    input_sums = f"tensor<{m}x{groups}xf32>" if packed else f"tensor<{groups}xf32>"
+    input_sums = f"tensor<{m}x{groups}xf32>"
     scales = f"tensor<{n}xf32>" if row_scales else f"tensor<{groups}x{n}xf32>"
     types = [f"tensor<{m}x{k}xi8>", input_sums, f"tensor<{n}x{width}xi8>", scales]
     if has_offset:
@@ -189,7 +189,7 @@ def test_the_block_kernel_matches_its_eager_form(tmp_path, k, n, scales):
     args = [q, xs, w, ws]
     if has_offset:
         args += [q.reshape(groups, 32).sum(axis=1).astype(np.float32), rng.uniform(-0.1, 0.1, (groups, n)).astype(np.float32)]
-    got = np.asarray(main(*args))
+    got = np.asarray(main(*(a.reshape(1, groups) if a.ndim == 1 and a.shape[0] == groups else a for a in args)))
     want = cpu_kernels.eager_row_blocks(*(torch.from_numpy(a) for a in args)).numpy()
     assert got.shape == (1, n)
     assert relative_error(got, want) < 1e-5
@@ -224,9 +224,55 @@ def test_the_4_bit_kernel_matches_its_eager_form(tmp_path, k, n, m):
     assert relative_error(got, want) < 1e-5
 
 
+ROWS_KINDS = ("f32", "bf16", "q8_0", "q8_0_offsets", "int8_row_scales", "q4")
+
+
+def _rows_kernel(directory, kind: str, k: int, n: int, m: int):
+    """(main, its arguments for m random input rows) for the kernel of `kind`."""
+    import torch
+
+    from kiln.models.quantize import pack_nibbles
+
+    directory.mkdir()
+    rng = np.random.default_rng(k + n)
+    groups = k // 32
+    if kind in ("f32", "bf16"):
+        x, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((n, k)).astype(np.float32)
+        return _compile_kernel_alone(directory, k, n, kind, m), [x, w]
+    packed, has_offset, row_scales = kind == "q4", kind in ("q4", "q8_0_offsets"), kind == "int8_row_scales"
+    main = _compile_blocks_alone(directory, k, n, has_offset, packed, m, row_scales)
+    q = rng.integers(-127, 128, (m, k)).astype(np.int8)
+    xs = rng.uniform(0.001, 0.02, (m, groups)).astype(np.float32)
+    w = rng.integers(0, 16, (n, k)) if packed else rng.integers(-127, 128, (n, k))
+    w = pack_nibbles(torch.from_numpy(w.astype(np.int8))).numpy() if packed else w.astype(np.int8)
+    ws = rng.uniform(0.001, 0.02, n if row_scales else (groups, n)).astype(np.float32)
+    args = [q, xs, w, ws]
+    if has_offset:
+        args += [q.reshape(m, groups, 32).sum(axis=-1).astype(np.float32),
+                 rng.uniform(-0.1, 0.1, (groups, n)).astype(np.float32)]
+    return main, args
+
+
+@pytest.mark.parametrize("kind", ROWS_KINDS)
+def test_a_rows_result_is_the_same_whatever_rows_share_the_call(tmp_path, kind):
+    """Batch invariance: each row of a five-row call (four together, then one; the 4-bit kernel's
+    one-row path reads eight weight rows at a time, its several-row path four) equals that row
+    alone, bit for bit, at K and N with tails (five blocks, 130 rows)."""
+    if kind == "bf16" and not cpu_kernels.bf16_supported() or kind != "f32" and not cpu_kernels.blocks_supported():
+        pytest.skip(f"this CPU has no kernel for {kind}")
+    k, n, m = 160, 130, 5
+    together, args = _rows_kernel(tmp_path / "together", kind, k, n, m)
+    alone, _ = _rows_kernel(tmp_path / "alone", kind, k, n, 1)
+    got = np.asarray(together(*args))
+    input_rows = {0} if kind in ("f32", "bf16") else {0, 1, 4}  # x; or q, xs, xsum
+    for row in range(m):
+        one = [a[row:row + 1] if i in input_rows else a for i, a in enumerate(args)]
+        np.testing.assert_array_equal(got[row:row + 1], np.asarray(alone(*one)), err_msg=f"row {row}")
+
+
 def test_every_function_matches_the_eager_model(kernel_export):
-    """Prefill at batch 4 (IREE's matmuls), then decode at batch 1 (the kernels) and at batch 4
-    (IREE's again; the 4-bit kernel for Q4_1's layers), and prefill_last's output head over one
+    """Prefill at batch 4 (IREE's matmuls), then decode at batch 1 and 4 (the kernels; IREE's for
+    the block types of 16), and prefill_last's output head over one
     position (the kernels), against the eager model with the same weights, whose one-row products
     take the per-block path. bf16 holds the bf16 tolerance of the quantized exports' tests
     (tests/export/test_quantized_export.py says why); the block types are integer sums up to
@@ -251,11 +297,7 @@ def test_every_function_matches_the_eager_model(kernel_export):
         assert relative_error(logits[row, : len(prompt)], want) < tolerance
         tokens.append(int(want[-1].argmax()))
     lengths = [len(p) for p in prompts]
-    # int8's input is quantized per 32 by the kernel at one row and per 64 by IREE's grouped
-    # matmul at several (tests/export/test_quantized_export.py checks that one), while the eager
-    # rows run one at a time: its steps here are all at batch 1.
-    batches = [1, 1, 1, 1] if weights == "int8" else [1, 4, 1, 4]
-    for batch in batches:
+    for batch in [1, 4, 1, 4]:
         rows = list(range(len(prompts))) if batch == 4 else [0]
         got = driver.decode([seqs[r] for r in rows], [tokens[r] for r in rows], [lengths[r] for r in rows], batch=batch)
         for i, row in enumerate(rows):
@@ -266,6 +308,71 @@ def test_every_function_matches_the_eager_model(kernel_export):
     prompt = rng.integers(4, 384, 17).tolist()
     last = driver.prefill([continued], [prompt], batch=1, function="prefill_last")
     assert relative_error(last[0, -1], EagerSequence(reference).run_last(prompt)) < tolerance
+
+
+def test_decode_gives_a_row_the_same_logits_whatever_shares_its_batch(kernel_export):
+    """Batch invariance: a sequence's decode logits alone (batch 1) and beside a sequence of
+    another length, in every exported batch size, are the same bits, step after step, at every
+    precision the kernels serve."""
+    weights, artifacts, _ = kernel_export
+    program = Program(Artifacts.in_directory(artifacts))
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(4, 384, n).tolist() for n in (9, 37)]
+    driver = PagedDriver(program)
+    seqs = driver.new_sequences(2, 64)
+    driver.prefill(seqs, prompts, batch=4)
+    tokens, lengths = [7, 11], [len(p) for p in prompts]
+    wider = [batch for batch in program.capabilities.decode_batch_sizes if batch > 1]
+    assert wider
+    for step in range(3):
+        alone = driver.decode(seqs[:1], tokens[:1], lengths[:1], batch=1)[0, 0]
+        for batch in wider:
+            together = driver.decode(seqs, tokens, lengths, batch=batch)[0, 0]
+            np.testing.assert_array_equal(together, alone, err_msg=f"{weights}: step {step}, batch {batch}")
+        tokens, lengths = [int(alone.argmax()), 3 + step], [length + 1 for length in lengths]
+
+
+def _int8_prefill_varies(weights: str) -> None:
+    if weights == "int8":
+        pytest.xfail("int8's prefill (IREE's matmul over the weights widened in the call) rounds otherwise "
+                     "at another batch: ~1e-6 of the logits, a known defect")
+
+
+def test_prefill_gives_a_prompt_the_same_logits_whatever_its_batch_or_chunks(kernel_export):
+    """Batch invariance in prefill (IREE's matmuls): a prompt's logits alone, in a batch of four
+    beside a longer prompt, and as two chunks are the same bits."""
+    weights, artifacts, _ = kernel_export
+    _int8_prefill_varies(weights)
+    program = Program(Artifacts.in_directory(artifacts))
+    rng = np.random.default_rng(6)
+    prompt, longer = rng.integers(4, 384, 9).tolist(), rng.integers(4, 384, 37).tolist()
+    driver = PagedDriver(program)
+    seqs = driver.new_sequences(4, 64)
+    alone = driver.prefill(seqs[:1], [prompt], batch=1)[0, :9]
+    together = driver.prefill(seqs[1:3], [prompt, longer], batch=4)[0, :9]
+    np.testing.assert_array_equal(together, alone, err_msg=weights)
+    driver.prefill(seqs[3:], [prompt[:5]], batch=1)
+    chunked = driver.prefill(seqs[3:], [prompt[5:]], batch=1, start_pos=[5])[0, :4]
+    np.testing.assert_array_equal(chunked, alone[5:], err_msg=weights)
+
+
+def test_a_requests_greedy_tokens_and_logprobs_are_the_same_alone_and_in_a_busy_batch(kernel_export):
+    """Through the service: each prompt answered alone (decode at batch 1), then the four at once
+    (prefilled together, their prompts partly from the prefix cache, decoded at batch 4): the
+    same tokens and the same logprobs, to the last bit."""
+    from kiln.runtime import LLM, SamplingParams
+
+    weights, artifacts, _ = kernel_export
+    _int8_prefill_varies(weights)
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(4, 384, n).tolist() for n in (5, 19, 33, 47)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    with LLM(artifacts) as llm:
+        alone = [llm.generate([prompt], params)[0].completions[0] for prompt in prompts]
+        together = [result.completions[0] for result in llm.generate(prompts, params)]
+    for one, busy in zip(alone, together):
+        assert busy.token_ids == one.token_ids, weights
+        assert busy.logprobs == one.logprobs, weights
 
 
 def test_one_row_matmuls_dispatch_the_kernel_and_the_object_ships_beside_the_mlir(kernel_artifacts):

@@ -94,29 +94,29 @@ def test_many_tokens_widen_the_weight_and_one_token_quantizes_its_input_per_grou
     assert (got - one @ layer.dequantized().T).abs().max() < 0.1 * got.abs().max()  # the outlier costs its group
 
 
-def test_one_int8_row_goes_to_the_block_kernel_whole_with_the_rows_scale_in_every_block():
-    """Where the matmul offers `one_row_blocks`, an int8 weight's one-row product goes there (its
-    input quantized per block of 32, each block taking the weight row's scale); two rows, or a K
-    that is no multiple of 32, keep the grouped int8 matmul."""
+def test_int8_rows_go_to_the_block_kernel_whole_with_the_rows_scale_in_every_block():
+    """Where the matmul offers `rows_blocks`, an int8 weight's one-token product goes there at any
+    batch (its input quantized per block of 32, each block taking the weight row's scale); a K
+    that is no multiple of 32 keeps the grouped int8 matmul."""
     calls = []
 
     def matmul(*args):
         return eager_weight_matmul(*args)
 
-    def one_row_blocks(q, xs, w, ws, xsum=None, wo=None):  # the block kernel's arithmetic, float64 sums
-        calls.append(tuple(ws.shape))
-        groups = q.shape[1] // Q8_0_BLOCK
-        sums = torch.einsum("gk,ngk->gn", q.view(groups, -1).double(), w.view(w.shape[0], groups, -1).double())
-        return (sums.float() * ws * xs.view(-1, 1)).sum(dim=0, keepdim=True)
+    def rows_blocks(q, xs, w, ws, xsum=None, wo=None):  # the block kernel's arithmetic, float64 sums
+        calls.append((q.shape[0], tuple(ws.shape)))
+        m, groups = xs.shape
+        sums = torch.einsum("mgk,ngk->mgn", q.view(m, groups, -1).double(), w.view(w.shape[0], groups, -1).double())
+        return (sums.float() * ws * xs.view(m, groups, 1)).sum(dim=1)
 
-    matmul.one_row_blocks = one_row_blocks
+    matmul.rows_blocks = rows_blocks
     torch.manual_seed(8)
     layer = QuantizedLinear(nn.Linear(3 * Q8_0_BLOCK, 24, bias=False), "int8", matmul)
     x = torch.randn(1, 1, 3 * Q8_0_BLOCK)
     x[..., 0] *= 50  # an outlier channel: only its own block's scale grows
     with torch.no_grad():
         got = layer(x)
-        assert calls == [(24,)]
+        assert calls == [(1, (24,))]
         want = torch.zeros(1, 1, 24)
         for block in range(3):
             q, scale = quantize_rows(x[..., block * Q8_0_BLOCK:(block + 1) * Q8_0_BLOCK])
@@ -124,9 +124,9 @@ def test_one_int8_row_goes_to_the_block_kernel_whole_with_the_rows_scale_in_ever
             want += (q.double() @ w.double().T).float() * scale
         torch.testing.assert_close(got, want * layer.scale, rtol=1e-5, atol=1e-5)
         assert (got - x @ layer.dequantized().T).abs().max() < 0.02 * got.abs().max()
-        layer(x.expand(2, 1, -1))
+        torch.testing.assert_close(layer(torch.cat([x, -x])), torch.cat([got, -got]))
         QuantizedLinear(nn.Linear(40, 8, bias=False), "int8", matmul)(torch.randn(1, 1, 40))
-    assert calls == [(24,)]
+    assert calls == [(1, (24,)), (2, (24,))]
 
 
 def test_q8_0_blocks_are_ggmls_and_one_token_sums_each_block_with_both_scales():

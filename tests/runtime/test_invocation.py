@@ -30,12 +30,12 @@ def test_prefill_arguments_follow_the_contract_and_pad():
     assert tokens[0].tolist() == [5, 6, 7, 0, 0, 0, 0, 0] and tokens[2].tolist() == [0] * 8
     assert starts.tolist() == [0, 4, 0, 0] and seq_lens.tolist() == [3, 9, 1, 1]  # padding rows: 1 token
     assert table.tolist() == [[1, 0, 0], [2, 3, 4], [0, 0, 0], [0, 0, 0]]  # page 0 pads
-    assert inv.read_at == (0, 0)
+    assert inv.read_at == ((0, 0), (1, 0))
 
 
 def test_rows_wanting_every_position_call_the_full_prefill():
     inv = build_invocation(batch(full=(True, False), samples=(True, False)), ABI, 8, 32)
-    assert inv.function == "prefill_bs4" and inv.read_at == (slice(0, 3), 4)
+    assert inv.function == "prefill_bs4" and inv.read_at == ((0, slice(0, 3)), (1, 4))
     assert inv.wanted == (True, False)
 
 
@@ -45,6 +45,21 @@ def test_decode_argument_order_differs_from_prefill():
     tokens, seq_lens, starts, table = inv.arguments
     assert inv.function == "decode_bs2" and tokens.tolist() == [[7], [9]]
     assert seq_lens.tolist() == [4, 9] and starts.tolist() == [3, 8] and table.shape == (2, 3)
+
+
+def test_a_speculation_batch_is_one_decode_call_with_a_row_per_token():
+    """Each draft token its own decode row at its own position, over its sequence's pages: the
+    logits of a sequence's rows read back together."""
+    speculate = batch(Phase.SPECULATE, 4, tokens=((7, 8, 9), (3,)), starts=(3, 8), tables=((1, 2), (3, 4, 5)),
+                      full=(True, True))
+    inv = build_invocation(speculate, ABI, 8, 32)
+    tokens, seq_lens, starts, table = inv.arguments
+    assert inv.function == "decode_bs4" and tokens.tolist() == [[7], [8], [9], [3]]
+    assert starts.tolist() == [3, 4, 5, 8] and seq_lens.tolist() == [4, 5, 6, 9]
+    assert table.tolist() == [[1, 2, 0], [1, 2, 0], [1, 2, 0], [3, 4, 5]]
+    assert inv.read_at == ((slice(0, 3), 0), (slice(3, 4), 0)) and inv.wanted == (True, True)
+    with pytest.raises(InvocationError, match="5 tokens for a decode of 4 rows"):
+        build_invocation(replace(speculate, tokens=((7, 8, 9, 10), (3,))), ABI, 8, 32)
 
 
 def test_decode_calls_the_smallest_fixed_shape_bucket_that_fits_the_cache_and_the_rows():

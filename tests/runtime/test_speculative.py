@@ -76,6 +76,18 @@ def copy_of(directory, to):
     return to
 
 
+@pytest.fixture(scope="module")
+def wide_model_dir(fake_model_dir, tmp_path_factory):
+    """The fake model with a decode of 16 rows: room for several sequences' drafts in one verify
+    call (a row per token)."""
+    from tests.fake_program import write_fake_artifacts
+
+    directory = tmp_path_factory.mktemp("wide")
+    write_fake_artifacts(directory, (fake_model_dir / "tokenizer.json").read_text(), decode_sizes=(1, 4, 16),
+                         pages=256)
+    return directory
+
+
 def seq_of(params, output=(), prompt=(5, 6), seed=0):
     return SimpleNamespace(params=params, rng=np.random.default_rng(seed), output_ids=list(output),
                            prompt_ids=list(prompt))
@@ -158,6 +170,31 @@ def test_prompt_lookup_gives_the_greedy_tokens_alone_and_in_a_busy_batch(fake_mo
     run(scenario())
 
 
+def test_drafts_are_verified_through_decode_a_row_per_token(fake_model_dir, tmp_path):
+    """The verify call is the decode plain decoding runs (so its kernels and its rounding), the
+    drafts cut to the rows the widest decode has: here 4, a sequence and three draft tokens (the
+    draft is the model itself: every one is right). An export whose prefill takes no start
+    position speculates too."""
+    from tests.fake_program import write_fake_artifacts
+
+    whole = write_fake_artifacts(tmp_path / "whole", (fake_model_dir / "tokenizer.json").read_text(),
+                                 has_prefill_position=False)
+
+    async def scenario():
+        service = await started(whole.config.parent, drafting_with(fake_model_dir, k=5))
+        prompt = repetitive(30, 3)
+        assert (await tokens_of(service, prompt, GREEDY))[0] == expected_greedy(prompt, GREEDY.max_tokens)
+        counters = service.stats().speculation
+        assert counters.accepted_tokens == counters.draft_tokens <= 3 * counters.drafts
+        assert counters.steps == 6  # the 23 tokens after the prefill's, four a call
+        calls = service.program.calls
+        assert [call for call in calls if not call.startswith("decode_")] == [calls[0]]  # the prompt's prefill
+        assert calls.count("decode_bs4") >= counters.steps
+        await service.stop()
+
+    run(scenario())
+
+
 def test_by_default_only_a_lone_decoding_sequence_is_drafted_for(fake_model_dir):
     async def scenario():
         service = await started(fake_model_dir, SpeculativeConfig("ngram", num_tokens=5))
@@ -173,14 +210,15 @@ def test_by_default_only_a_lone_decoding_sequence_is_drafted_for(fake_model_dir)
     run(scenario())
 
 
-def test_a_draft_model_identical_to_the_target_is_always_right(fake_model_dir):
+def test_a_draft_model_identical_to_the_target_is_always_right(fake_model_dir, wide_model_dir):
     async def scenario():
-        service = await started(fake_model_dir, drafting_with(fake_model_dir))
+        service = await started(wide_model_dir, drafting_with(fake_model_dir))
         outs = await asyncio.gather(*(tokens_of(service, p, GREEDY) for p in PROMPTS))
         assert [o[0] for o in outs] == [expected_greedy(p, GREEDY.max_tokens) for p in PROMPTS]
         counters = service.stats().speculation
         assert counters.accepted_tokens == counters.draft_tokens > 0
-        assert counters.mean_accepted_length > 3  # 4 drafts + 1, less where max_tokens cuts
+        # Five rows share the widest decode's 16: two or three drafts each (four alone), + 1.
+        assert counters.mean_accepted_length > 3
         assert_idle(service)
         await service.stop()
 
@@ -228,7 +266,7 @@ def test_aborts_mid_speculation_return_every_page(fake_model_dir):
     run(scenario())
 
 
-def test_sampling_with_drafts_follows_the_models_distribution(fake_model_dir, tmp_path):
+def test_sampling_with_drafts_follows_the_models_distribution(fake_model_dir, wide_model_dir, tmp_path):
     """Every token the fake model samples at temperature 1 sits at an offset from its greedy
     token with probability proportional to exp(-|offset|), with drafts or without."""
     draft_dir = copy_of(fake_model_dir, tmp_path / "draft")
@@ -238,11 +276,11 @@ def test_sampling_with_drafts_follows_the_models_distribution(fake_model_dir, tm
         offsets_p[offset] = float(weights[offset + 20] / weights.sum())
 
     async def offsets(spec, program_factory):
-        service = await started(fake_model_dir, spec, program_factory)
+        service = await started(wide_model_dir, spec, program_factory)
         found, outs = [], []
         params = [SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True, seed=s) for s in range(200)]
         prompts = [repetitive(12 + s % 7, s) for s in range(200)]
-        for group in range(0, 200, 4):  # batches no wider than the largest prefill: all may draft
+        for group in range(0, 200, 4):  # four rows and their drafts in the widest decode: all may draft
             outs += await asyncio.gather(*(tokens_of(service, p, sp) for p, sp in
                                            zip(prompts[group : group + 4], params[group : group + 4])))
         for prompt, out in zip(prompts, outs):
@@ -275,12 +313,12 @@ def test_sampling_with_drafts_follows_the_models_distribution(fake_model_dir, tm
 def test_speculation_is_refused_where_it_cannot_work(fake_model_dir, tmp_path):
     from tests.fake_program import write_fake_artifacts
 
-    whole = write_fake_artifacts(tmp_path / "whole", (fake_model_dir / "tokenizer.json").read_text(),
-                                 has_prefill_position=False)
+    one_row = write_fake_artifacts(tmp_path / "one-row", (fake_model_dir / "tokenizer.json").read_text(),
+                                   decode_sizes=(1,))
 
     async def scenario():
-        with pytest.raises(ModelLoadError, match="start positions"):
-            await started(whole.config.parent, SpeculativeConfig("ngram"))
+        with pytest.raises(ModelLoadError, match="widest decode has one row"):
+            await started(one_row.config.parent, SpeculativeConfig("ngram"))
         short = write_fake_artifacts(tmp_path / "short", (fake_model_dir / "tokenizer.json").read_text(),
                                      max_seq_len=64)
         with pytest.raises(ModelLoadError, match="context"):
