@@ -6,9 +6,11 @@
  * is the time to read the weights. Each kernel reads four weight rows side by side, with the
  * activation row held in cache and a software prefetch a few rows ahead: with rows of a few
  * hundred bytes to a few KB, each row's stream is too short for the hardware prefetchers to
- * get ahead of it on their own (benchmarks/NOTES.md, "Hand-written one-row matmuls"). The
- * float32 and 4-bit kernels also take a decode step's several input rows, each weight read from
- * memory once for all of them.
+ * get ahead of it on their own (benchmarks/NOTES.md, "Hand-written one-row matmuls"). Every
+ * kernel also takes a decode step's several input rows (the float32 and 4-bit ones reading each
+ * weight from memory once for all of them, the others a pass per row over weights then in
+ * cache), and computes each row the same way whatever rows share the call: a step's results do
+ * not depend on its batch.
  *
  * Linked into IREE's embedded ELF executables: no libc, no globals, no thread-local state.
  * Each call computes the output rows [row0, row0 + rows) of one workgroup. Prefetches past the
@@ -202,8 +204,8 @@ static void bf16_one_row(const uint16_t *restrict x, const uint16_t *restrict w,
   }
 }
 
-/* x [m_dim, k_dim] in bfloat16 times w [n_dim, k_dim]: each input row a pass of its own (the
- * export sends one row here; several take IREE's kernels, which hold their own at bfloat16). */
+/* x [m_dim, k_dim] in bfloat16 times w [n_dim, k_dim]: each input row a pass of its own over the
+ * workgroup's weight rows (from the cache after the first). */
 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 void kiln_row_matmul_bf16(MEMREF_BF16(x), MEMREF_BF16(w), float *y_allocated, float *restrict y, size_t y_offset,
                           size_t y_size, size_t y_stride, size_t n_dim, size_t k_dim, size_t m_dim, size_t row0,
