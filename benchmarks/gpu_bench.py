@@ -17,6 +17,7 @@ model's HF config with random weights of the same shapes and precision.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import shutil
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.dispatch_count import dispatch_counts
 from benchmarks.report import fixed_decode_table
 
 # name -> (Kiln's export dtype, the PyTorch peer's dtype)
@@ -40,8 +42,23 @@ FIXED_DECODE_PAIRS = 200
 PARITY_PROMPTS = 4
 PARITY_PROMPT_TOKENS = 24
 PARITY_TOKENS = 16
+# Decode through torch.compile's CUDA graphs (transformers' fastest one-GPU path) in bf16, its
+# fastest precision: compiling each shape takes minutes of the GPU's time.
+COMPILED_PEER_PRECISIONS = ("bf16",)
+# The serving figures: benchmarks.loadgen against `kiln serve` on the bf16 module.
+SERVING_PRECISION = "bf16"
+SERVING_CONCURRENCY = (1, 16, 64)
+SERVING_INPUT, SERVING_OUTPUT = 256, 128
+SERVING_KEYS = ("completed", "failed", "duration_s", "output_throughput", "mean_ttft_ms", "p50_ttft_ms",
+                "p99_ttft_ms", "mean_itl_ms", "p50_itl_ms", "p99_itl_ms")
 _PARAMETER = re.compile(r'#flow\.parameter\.named<"[^"]+"::"([^"]+)"> : tensor<([^>]*)>')
 _ELEMENT = {"f32": np.float32, "bf16": np.uint16, "f16": np.float16}
+# `prepare --graphs`: these precisions also built to run their decode steps as CUDA graphs, with
+# the decodes the figures call (batch 1 and 8).
+GRAPH_PRECISIONS = ("bf16",)
+GRAPH_BUCKETS = (256,)
+GRAPH_COMPILE_FLAGS = ("--iree-stream-partitioning-favor=debug",)
+GRAPH_DEVICE_FLAGS = ("--cuda_use_streams=false",)
 # Beside the module and its parameters, what the runtime reads: the config, Kiln's sidecar, the tokenizer.
 MODEL_FILES = ("model.json", "model.kiln.json", "tokenizer.json", "tokenizer_config.json")
 
@@ -104,13 +121,14 @@ def _artifacts(directory: Path, target: str):
     return Artifacts.in_directory(directory, target)
 
 
-def prepare(out: Path, decode_buckets: tuple[int, ...] = ()) -> None:
+def prepare(out: Path, decode_buckets: tuple[int, ...] = (), graphs: bool = False) -> None:
     """Build each precision for the CPU and CUDA, pack what the GPU run needs, and
     record the CPU module's greedy tokens on the synthetic parameters.
 
     The build is `kiln serve`'s for a GPU (its decodes take dynamic shapes); `decode_buckets`
     adds fixed-shape decodes of those context lengths, which every figure of `run` then goes
-    through where a row's context fits (and `run` compares them with decode_bs<N>)."""
+    through where a row's context fits (and `run` compares them with decode_bs<N>); `graphs`
+    packs each precision's build for CUDA graphs beside it too (pack_graphs)."""
     from benchmarks.kiln_offline import build_in_child
     from benchmarks.peers import weights
 
@@ -121,12 +139,16 @@ def prepare(out: Path, decode_buckets: tuple[int, ...] = ()) -> None:
         options = f"default_build_options({dtype!r}, quantize='none', cpu_kernels=False)"
         if decode_buckets:
             options = f"replace({options}, decode_buckets={decode_buckets!r})"
-        built = build_in_child(options, targets=("cpu", "cuda"))
+        # ROCm (gfx942) too, for its dispatch counts beside CUDA's.
+        built = build_in_child(options, targets=("cpu", "cuda", "rocm"))
         package = out / name
         package.mkdir(exist_ok=True)
         # The CPU module too: `run --device local-task` tries the whole run here first.
         for file in ("model_cuda.vmfb", "model_cpu.vmfb", *MODEL_FILES):
             shutil.copy(built / file, package / file)
+        counts = {target: dispatch_counts(built / f"model_{target}.vmfb") for target in ("cuda", "rocm")}
+        (package / "dispatches.json").write_text(json.dumps(counts, indent=2) + "\n")
+        print(f"{name}: dispatches per call {counts}", file=sys.stderr)
         manifest = parameter_manifest((built / "model.mlir").read_text())
         (package / "manifest.json").write_text(json.dumps(manifest))
         with tempfile.TemporaryDirectory() as scratch:
@@ -137,55 +159,143 @@ def prepare(out: Path, decode_buckets: tuple[int, ...] = ()) -> None:
             tokens = greedy_tokens(_artifacts(local, "cpu"), "local-task")
         (package / "cpu_tokens.json").write_text(json.dumps(tokens))
         print(f"{name}: packed {package} ({len(manifest)} parameters)", file=sys.stderr)
+        if graphs and name in GRAPH_PRECISIONS:
+            pack_graphs(out, name, options)
+
+
+def pack_graphs(out: Path, name: str, options: str) -> None:
+    """`name`'s build with fixed-shape decodes (GRAPH_BUCKETS) at batch 1 and 8, compiled with no
+    concurrency between dispatches, packed as `<name>-graphs` to run with CUDA graphs
+    (GRAPH_DEVICE_FLAGS).
+
+    IREE's CUDA driver launches a command buffer kernel by kernel on a stream unless told to
+    record it as a CUDA graph, and its graph command buffer takes at most 32 nodes between two
+    barriers: the debug partitioning puts a barrier after every dispatch. A fixed-shape decode's
+    command buffer is recorded once, at load, so each step is one graph launch."""
+    from benchmarks.kiln_offline import build_in_child
+
+    built = build_in_child(f"replace({options}, decode_buckets={GRAPH_BUCKETS!r}, decode_batch_sizes=(1, 8))",
+                           targets=("cuda",), flags=GRAPH_COMPILE_FLAGS)
+    package = out / f"{name}-graphs"
+    package.mkdir(exist_ok=True)
+    for file in ("model_cuda.vmfb", *MODEL_FILES):
+        shutil.copy(built / file, package / file)
+    (package / "manifest.json").write_text(json.dumps(parameter_manifest((built / "model.mlir").read_text())))
+    shutil.copy(out / name / "cpu_tokens.json", package / "cpu_tokens.json")
+    (package / "device_flags.json").write_text(json.dumps(list(GRAPH_DEVICE_FLAGS)))
+    print(f"{name}: packed {package}", file=sys.stderr)
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def run(packed: Path, device: str, output: Path | None) -> int:
+def measure_package(package: Path, device: str) -> dict:
+    """Greedy tokens against the CPU build's, the offline figures and the fixed-shape decodes
+    against decode_bs<N>, for one package; the package's device_flags.json (if any) goes to
+    IREE's runtime first, so this runs in a process of its own (measure_in_child)."""
     from benchmarks.kiln_offline import measure
+    from kiln.runtime.contract import device_target
+
+    flags_file = package / "device_flags.json"
+    flags = json.loads(flags_file.read_text()) if flags_file.exists() else []
+    if flags:
+        from iree import runtime as ireert
+
+        ireert.flags.parse_flags(*flags)
+    manifest = json.loads((package / "manifest.json").read_text())
+    write_parameters(manifest, package / "model.irpa")
+    expected = json.loads((package / "cpu_tokens.json").read_text())
+    got = greedy_tokens(_artifacts(package, device_target(device)), device)
+    agree = [_first_difference(e, g) for e, g in zip(expected, got)]
+    print(f"{package.name}: greedy tokens equal to the CPU build's for {agree} of {PARITY_TOKENS}", file=sys.stderr)
+    entry = {"kiln": measure(package, device=device), "tokens_equal_to_cpu": agree, "tokens_compared": PARITY_TOKENS,
+             **({"device_flags": flags} if flags else {})}
+    if fixed := fixed_decode_pairs(package, device):
+        entry["fixed_decode"] = fixed
+    return entry
+
+
+def measure_in_child(package: Path, device: str, timeout: float = 300) -> dict:
+    """measure_package in a process of its own; {"error": ...} if it fails or outlasts `timeout`
+    (its stderr, passed through, says why), so the run goes on to what it can still measure."""
+    command = [sys.executable, "-m", "benchmarks.gpu_bench", "measure", str(package), "--device", device]
+    try:
+        done = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result in {timeout:.0f} s"}
+    if done.returncode:
+        return {"error": f"exit status {done.returncode}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def torch_peer(packed: Path, device: str, dtype: str, compiled: bool = False) -> dict:
+    """transformers_bench's offline figures for a model of the packed config's shapes (random
+    weights); `compiled`: decode through torch.compile's CUDA graphs over a static cache."""
+    with tempfile.TemporaryDirectory() as hf:
+        shutil.copy(packed / "hf_config.json", Path(hf) / "config.json")
+        peer = subprocess.run(
+            [sys.executable, str(Path(__file__).with_name("peers") / "transformers_bench.py"), "offline", hf,
+             "--device", device, "--dtype", dtype, "--random-weights", *(["--compile"] if compiled else [])],
+            check=True, stdout=subprocess.PIPE, text=True)
+    return json.loads(peer.stdout.strip().splitlines()[-1])
+
+
+def run(packed: Path, device: str, output: Path | None) -> int:
+    """Parity and offline figures per precision beside eager PyTorch, `kiln serve` answering and
+    under load, then decode beside torch.compile; each result written to `output` as it lands,
+    so what is measured survives a later failure or the end of the machine's time."""
     from kiln.runtime.contract import device_target
 
     target = device_target(device)
     torch_device = "cpu" if target == "cpu" else "cuda"  # ROCm's PyTorch names its GPUs cuda too
     results = {"device": device, "precisions": {}}
+
+    def save():
+        if output:
+            output.write_text(json.dumps(results, indent=2) + "\n")
+
     failed = False
     for name, (_, torch_dtype) in PRECISIONS.items():
-        package = packed / name
-        manifest = json.loads((package / "manifest.json").read_text())
-        write_parameters(manifest, package / "model.irpa")
-        expected = json.loads((package / "cpu_tokens.json").read_text())
-        got = greedy_tokens(_artifacts(package, target), device)
-        agree = [_first_difference(e, g) for e, g in zip(expected, got)]
-        print(f"{name}: greedy tokens equal to the CPU build's for {agree} of {PARITY_TOKENS}", file=sys.stderr)
-        kiln = measure(package, device=device)
-        fixed = fixed_decode_pairs(package, device)
-        if fixed:
-            print(f"{name}: fixed-shape decode against decode_bs<N> {fixed}", file=sys.stderr)
-        with tempfile.TemporaryDirectory() as hf:
-            shutil.copy(packed / "hf_config.json", Path(hf) / "config.json")
-            peer = subprocess.run(
-                [sys.executable, str(Path(__file__).with_name("peers") / "transformers_bench.py"), "offline", hf,
-                 "--device", torch_device, "--dtype", torch_dtype, "--random-weights"],
-                check=True, stdout=subprocess.PIPE, text=True)
-        torch_figures = json.loads(peer.stdout.strip().splitlines()[-1])
-        results["precisions"][name] = {"kiln": kiln, "torch": torch_figures, "tokens_equal_to_cpu": agree,
-                                       "tokens_compared": PARITY_TOKENS, **({"fixed_decode": fixed} if fixed else {})}
+        entry = measure_in_child(packed / name, device)
+        failed |= "error" in entry
+        entry["torch"] = torch_peer(packed, torch_device, torch_dtype)
+        counts = packed / name / "dispatches.json"
+        if counts.exists():
+            entry["dispatches"] = json.loads(counts.read_text())
+        results["precisions"][name] = entry
         # float32 on both sides: greedy tokens match the CPU build's; bf16 rounds differently per
         # reduction order, so its agreement is reported, not required.
-        failed |= name == "f32" and min(agree) < PARITY_TOKENS
-        print(f"{name}: kiln {kiln}; torch {torch_figures}", file=sys.stderr)
-        if output:  # what is measured so far survives a later failure
-            output.write_text(json.dumps(results, indent=2) + "\n")
-    served = serve_check(packed / "f32", device)
-    results["serve"] = served
-    print(f"kiln serve on {device}: {served}", file=sys.stderr)
-    failed |= not (served["completion_status"] == 200 and served["completion_tokens"] == 8
-                   and served["stream_status"] == 200 and served["stream_done"])
+        failed |= name == "f32" and min(entry.get("tokens_equal_to_cpu", [0])) < PARITY_TOKENS
+        print(f"{name}: {entry}", file=sys.stderr)
+        save()
+        if (packed / f"{name}-graphs").exists():
+            results["precisions"][f"{name}-graphs"] = measure_in_child(packed / f"{name}-graphs", device)
+            print(f"{name}-graphs: {results['precisions'][f'{name}-graphs']}", file=sys.stderr)
+            save()
+    package = packed / SERVING_PRECISION
+    with kiln_server(package, device) as base:
+        served = serve_check(base)
+        results["serve"] = served
+        print(f"kiln serve on {device}: {served}", file=sys.stderr)
+        failed |= not (served["completion_status"] == 200 and served["completion_tokens"] == 8
+                       and served["stream_status"] == 200 and served["stream_done"])
+        save()
+        results["serving"] = {"precision": SERVING_PRECISION, "input_tokens": SERVING_INPUT,
+                              "output_tokens": SERVING_OUTPUT, **serving_figures(base, package / "tokenizer.json")}
+        save()
+    if torch_device == "cuda":
+        for name in COMPILED_PEER_PRECISIONS:
+            torch_dtype = PRECISIONS[name][1]
+            try:
+                results["precisions"][name]["torch_compiled"] = torch_peer(packed, torch_device, torch_dtype, True)
+            except subprocess.CalledProcessError as error:  # its stderr, passed through, says why
+                print(f"{name}: torch.compile's peer failed ({error})", file=sys.stderr)
+                continue
+            print(f"{name}: torch.compile {results['precisions'][name]['torch_compiled']}", file=sys.stderr)
+            save()
     print(report(results))
-    if output:
-        output.write_text(json.dumps(results, indent=2) + "\n")
+    save()
     return 1 if failed else 0
 
 
@@ -212,8 +322,9 @@ def _post(url: str, body: dict) -> tuple[int, bytes]:
         return response.status, response.read()
 
 
-def serve_check(package: Path, device: str, port: int = 8431) -> dict:
-    """`kiln serve` on the GPU module: a completion and a streamed chat answer over HTTP."""
+@contextlib.contextmanager
+def kiln_server(package: Path, device: str, port: int = 8431):
+    """`kiln serve` on the package's module for `device`, healthy; yields its base URL."""
     command = [sys.executable, "-m", "kiln.cli.main", "serve", "--artifacts", str(package), "--device", device,
                "--host", "127.0.0.1", "--port", str(port)]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -232,24 +343,54 @@ def serve_check(package: Path, device: str, port: int = 8431) -> dict:
             if time.monotonic() > deadline:
                 raise SystemExit("kiln serve did not become healthy in 180 s")
             time.sleep(1)
-        status, body = _post(base + "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 8,
-                                                       "temperature": 0, "ignore_eos": True})
-        completion = json.loads(body)
-        status_stream, stream = _post(base + "/v1/chat/completions", {
-            "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "stream": True})
-        chunks = [line for line in stream.decode().splitlines() if line.startswith("data: {")]
-        return {"completion_status": status, "completion_tokens": completion["usage"]["completion_tokens"],
-                "stream_status": status_stream, "stream_chunks": len(chunks),
-                "stream_done": stream.decode().rstrip().endswith("data: [DONE]")}
+        yield base
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def serve_check(base: str) -> dict:
+    """A completion and a streamed chat answer over HTTP."""
+    status, body = _post(base + "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 8,
+                                                   "temperature": 0, "ignore_eos": True})
+    completion = json.loads(body)
+    status_stream, stream = _post(base + "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "stream": True})
+    chunks = [line for line in stream.decode().splitlines() if line.startswith("data: {")]
+    return {"completion_status": status, "completion_tokens": completion["usage"]["completion_tokens"],
+            "stream_status": status_stream, "stream_chunks": len(chunks),
+            "stream_done": stream.decode().rstrip().endswith("data: [DONE]")}
+
+
+def serving_figures(base: str, tokenizer: Path) -> dict:
+    """benchmarks.loadgen against the server at each of SERVING_CONCURRENCY: random prompts of
+    SERVING_INPUT tokens, SERVING_OUTPUT greedy tokens each, streamed, all sent at once under the
+    concurrency cap."""
+    from benchmarks import loadgen
+
+    figures = {}
+    for concurrency in SERVING_CONCURRENCY:
+        requests = max(8, 2 * concurrency)
+        workload = loadgen.make_workload("random", str(tokenizer), requests, 0, input_len=SERVING_INPUT,
+                                         output_len=SERVING_OUTPUT)
+        metrics, _ = loadgen.bench("openai", base, workload, concurrency=concurrency)
+        figures[f"c{concurrency}"] = {key: metrics[key] for key in SERVING_KEYS}
+        print(f"serving at concurrency {concurrency}: {figures[f'c{concurrency}']}", file=sys.stderr)
+    return figures
 
 
 def report(results: dict) -> str:
     rows = ["| precision | engine | decode bs1 tok/s | decode bs8 tok/s | prefill 128 ms | prefill 512 ms |",
             "|---|---|---:|---:|---:|---:|"]
     for name, entry in results["precisions"].items():
+        if "kiln" not in entry:
+            rows.append(f"| {name} | kiln | {entry['error']} | | | |")
+            continue
+        if "torch" not in entry:  # a variant of a precision: Kiln's figures alone
+            f = entry["kiln"]
+            rows.append(f"| {name} | kiln | {f['decode_bs1_tok_s']:.1f} | {f['decode_bs8_tok_s']:.1f} | "
+                        f"{f['prefill_128_ms']:.2f} | {f['prefill_512_ms']:.2f} |")
+            continue
         for engine in ("kiln", "torch"):
             f = entry[engine]
             rows.append(f"| {name} | {engine} | {f['decode_bs1_tok_s']:.1f} | {f['decode_bs8_tok_s']:.1f} | "
@@ -258,9 +399,25 @@ def report(results: dict) -> str:
         rows.append(f"| {name} | kiln / torch | {k['decode_bs1_tok_s'] / t['decode_bs1_tok_s']:.2f}x | "
                     f"{k['decode_bs8_tok_s'] / t['decode_bs8_tok_s']:.2f}x | "
                     f"{t['prefill_128_ms'] / k['prefill_128_ms']:.2f}x | {t['prefill_512_ms'] / k['prefill_512_ms']:.2f}x |")
+        if compiled := entry.get("torch_compiled"):
+            rows.append(f"| {name} | torch.compile | {compiled['decode_bs1_tok_s']:.1f} | "
+                        f"{compiled['decode_bs8_tok_s']:.1f} | | |")
+            rows.append(f"| {name} | kiln / torch.compile | "
+                        f"{k['decode_bs1_tok_s'] / compiled['decode_bs1_tok_s']:.2f}x | "
+                        f"{k['decode_bs8_tok_s'] / compiled['decode_bs8_tok_s']:.2f}x | | |")
     fixed = {name: entry["fixed_decode"] for name, entry in results["precisions"].items() if "fixed_decode" in entry}
     if fixed:
         rows += ["", fixed_decode_table({"results": fixed})]
+    if serving := results.get("serving"):
+        title = (f"kiln serve, {serving['precision']}, {serving['input_tokens']} tokens in, "
+                 f"{serving['output_tokens']} out:")
+        rows += ["", title, "",
+                 "| concurrency | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | failed |",
+                 "|---:|---:|---:|---:|---:|---:|---:|"]
+        for concurrency in SERVING_CONCURRENCY:
+            if f := serving.get(f"c{concurrency}"):
+                rows.append(f"| {concurrency} | {f['output_throughput']:.1f} | {f['p50_ttft_ms']:.1f} | "
+                            f"{f['p99_ttft_ms']:.1f} | {f['p50_itl_ms']:.2f} | {f['p99_itl_ms']:.2f} | {f['failed']} |")
     return "\n".join(rows)
 
 
@@ -272,6 +429,10 @@ def main() -> int:
     p.add_argument("--decode-buckets", default="",
                    help="fixed-shape decodes of these context lengths (comma-separated multiples of 16), "
                    "compared with decode_bs<N> on the GPU")
+    p.add_argument("--graphs", action="store_true", help="also pack each precision to decode through CUDA graphs")
+    m = sub.add_parser("measure", help="one package's Kiln figures as JSON (run's child)")
+    m.add_argument("package", type=Path)
+    m.add_argument("--device", default="cuda")
     r = sub.add_parser("run")
     r.add_argument("packed", type=Path)
     r.add_argument("--device", default="cuda")
@@ -282,7 +443,10 @@ def main() -> int:
             buckets = tuple(int(t) for t in args.decode_buckets.split(",") if t)
         except ValueError:
             parser.error(f"--decode-buckets takes context lengths such as 256,1024, not {args.decode_buckets!r}")
-        prepare(args.output, buckets)
+        prepare(args.output, buckets, args.graphs)
+        return 0
+    if args.command == "measure":
+        print(json.dumps(measure_package(args.package, args.device)))
         return 0
     return run(args.packed, args.device, args.output)
 

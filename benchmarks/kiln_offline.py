@@ -38,16 +38,18 @@ def label(dtype: str, quantize: str = "none") -> str:
     return QUANTIZED_LABEL.get(quantize) or SHORT_DTYPE[dtype]
 
 
-def build_in_child(options: str, targets: tuple[str, ...] = ("cpu",)) -> Path:
+def build_in_child(options: str, targets: tuple[str, ...] = ("cpu",), flags: tuple[str, ...] = ()) -> Path:
     """The bundled model exported with `options` (Python source building ExportOptions; it may
     call default_build_options and dataclasses' replace) and compiled for `targets` at their
-    default archs, into Kiln's keyed cache (built once), in a child process."""
+    default archs with iree-compile's `flags` added, into Kiln's keyed cache (built once), in a
+    child process."""
     code = (
         "import sys\n"
         "from dataclasses import replace\n"
         "from kiln.export.build import build, default_build_options\n"
         "from kiln.export.options import ExportOptions\n"
-        f"out = build(None, {options}, {list(targets)!r}, log=lambda m: print(m, file=sys.stderr))\n"
+        f"out = build(None, {options}, {list(targets)!r}, extra_flags={list(flags)!r},\n"
+        "            log=lambda m: print(m, file=sys.stderr))\n"
         "print(out)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.PIPE, text=True)

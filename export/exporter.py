@@ -186,6 +186,13 @@ def trace_module(model: PagedLlama | ShardedPagedLlama, options: ExportOptions, 
                 trace_function(fxb, body, fixed_decode_name(bs, context), names, examples, log)
 
     started = time.monotonic()
-    output = aot.export(fxb)
+    # What export knows of each dynamic size (a token count is a multiple of the stride, at
+    # least one block) reaches IREE as assumptions on it. Without them IREE's GPU code takes a
+    # matmul whose row count may be 1 for a matrix-vector product and computes prefill row by
+    # row, re-reading every weight per token (linear in the prompt; 13x eager PyTorch's time on
+    # an H200); with them it tiles the rows and, in bf16, uses the tensor cores. The builds with
+    # Kiln's CPU kernels take their one-token matmuls through the kernels and keep the code
+    # they were measured with.
+    output = aot.export(fxb, import_symbolic_shape_expressions=not options.cpu_kernels)
     log(f"  imported to MLIR in {time.monotonic() - started:.1f}s")
     return output

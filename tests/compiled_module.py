@@ -3,28 +3,10 @@
 from __future__ import annotations
 
 import re
-import subprocess
-from pathlib import Path
 
-from benchmarks.profile_step import tool
+from benchmarks.dispatch_count import compiled_functions  # noqa: F401  (tests import it from here)
 
 _RECORDED_LOAD = re.compile(r"vm\.global\.load\.ref \S+ : !hal\.command_buffer")
-
-
-def compiled_functions(vmfb: Path) -> dict[str, str]:
-    """Each function of a compiled module, by name, its VM code (a module may hold two __init
-    functions: theirs are joined)."""
-    dump = subprocess.run([tool("iree-dump-module"), str(vmfb)], capture_output=True, text=True, check=True).stdout
-    functions, name = {}, None
-    for line in dump.splitlines():
-        if line.startswith("vm.func @"):
-            name = line[len("vm.func @"):].split("(")[0]
-            functions.setdefault(name, "")
-        elif line.startswith(("vm.export", "vm.rodata", "vm.global", "vm.import")):
-            name = None
-        elif name is not None:
-            functions[name] += line + "\n"
-    return functions
 
 
 def replays_a_recorded_command_buffer(functions: dict[str, str], name: str) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from kiln.export.options import ExportOptions
 from kiln.runtime.config import load_model_config
 from kiln.runtime.contract import Artifacts
 from kiln.runtime.program import Program
+from benchmarks.dispatch_count import dispatch_counts
 from tests.compiled_module import compiled_functions, replays_a_recorded_command_buffer
 from tests.conftest import TINY_EXPORT_ARGS, _export_and_compile, run_kiln
 from tests.export.test_contract import signatures
@@ -172,12 +175,37 @@ def test_weights_are_external(tiny_artifacts):
     assert (tiny_artifacts / "model_cpu.vmfb").stat().st_size < 1 << 20
 
 
+def recorded_dispatches(target: str) -> dict[str, int]:
+    """The tiny model's dispatches per call on `target` as README.md records them (its table under
+    "GPU dispatch budget")."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme.split("### GPU dispatch budget", 1)[1].split("\n\n|", 1)[1].split("\n\n", 1)[0]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in ("|" + table).splitlines()[2:]]
+    column = {"cuda": 2, "rocm": 3}[target]
+    return {row[1].strip("`"): int(row[column].replace(",", "")) for row in rows if row[0] == "tiny test model"}
+
+
 @pytest.mark.parametrize("target,arch", [("cuda", "sm_80"), ("rocm", "gfx942")])
-def test_gpu_targets_compile(tiny_artifacts, tmp_path, target, arch):
+def test_gpu_targets_compile_within_the_dispatch_budget(tiny_artifacts, tmp_path, target, arch):
+    """Each call's dispatches are most of a GPU step's time (one launch each): a change to the
+    export that adds any fails here, on a machine without a GPU, until README.md's figures are
+    raised on purpose."""
     out = tmp_path / f"model_{target}.vmfb"
     result = run_kiln("compile-vmfb", str(tiny_artifacts / "model.mlir"), "--target", target, "--arch", arch, "-o", str(out))
     assert "marked 6 cache argument(s)" in result.stderr  # prefill, prefill_last (bs 1, 4), decode (bs 1, 4)
-    assert out.stat().st_size > 10_000
+    counts = dispatch_counts(out)
+    recorded = recorded_dispatches(target)
+    assert set(recorded) == {"prefill_last_bs1", "prefill_last_bs4", "decode_bs1", "decode_bs4"}
+    grown = {name: f"{counts[name]} > {figure}" for name, figure in recorded.items() if counts[name] > figure}
+    assert not grown, f"dispatches per call past README.md's figures: {grown} (all: {counts})"
+
+
+def test_a_gpu_export_tells_iree_what_its_dynamic_sizes_are(tiny_artifacts):
+    """The token count's bounds and stride reach IREE (torch.bind_symbolic_shape), so its GPU
+    code tiles prefill's matmuls instead of running them row by row (export/exporter.py)."""
+    text = (tiny_artifacts / "model.mlir").read_text()
+    assert re.search(r'torch\.symbolic_int "16\*s\d+" \{min_val = 16, max_val = 256\}', text)
+    assert "torch.bind_symbolic_shape" in text
 
 
 def test_a_gpu_arch_iree_cannot_target_is_refused_with_what_to_use(tiny_artifacts, tmp_path):
