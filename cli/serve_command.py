@@ -12,7 +12,13 @@ import dataclasses
 import os
 from pathlib import Path
 
-from kiln.runtime.service_config import HOST_WRITE_POLICIES, PREFIX_SHARING, ServiceConfig, SpeculativeConfig
+from kiln.runtime.service_config import (
+    HOST_WRITE_POLICIES,
+    PREFIX_SHARING,
+    SAMPLING_DEFAULTS,
+    ServiceConfig,
+    SpeculativeConfig,
+)
 from kiln.server.replicas.prefix_table import POLICIES, RoutingPolicy
 from kiln.server.settings import ServerSettings
 from kiln.server.tool_calls import PARSERS
@@ -100,6 +106,11 @@ def add_command(commands) -> None:
     defaults = ServiceConfig()
     engine.add_argument("--prefix-sharing", choices=PREFIX_SHARING, default=defaults.prefix_sharing,
                         help="trie: requests that start alike share their cached KV pages (default); none: off")
+    engine.add_argument("--sampling-defaults", choices=SAMPLING_DEFAULTS, default=defaults.sampling_defaults,
+                        help="what a request's unset temperature, top_p, top_k, min_p and repetition_penalty "
+                        "are: model: the model's own (its generation_config.json, a GGUF's general.sampling "
+                        "keys; the bundled model's card: temperature 0.2, top_p 0.9), else OpenAI's; openai: "
+                        "OpenAI's always (temperature 1, top_p 1) (default: %(default)s)")
     engine.add_argument("--max-queue", type=_non_negative_int, default=defaults.max_queue, metavar="N",
                         help="requests waiting before new ones get 503 (default: %(default)s)")
     engine.add_argument("--grammar-compile-timeout", type=_positive_float, default=defaults.grammar_compile_seconds,
@@ -306,6 +317,7 @@ def run_serve(args) -> int:
         host_kv_bytes=args.host_kv_size,
         host_kv_write_policy=args.host_kv_write_policy,
         kv_cache_dir=args.kv_cache_dir,
+        sampling_defaults=args.sampling_defaults,
     )
     if args.data_parallel:
         return run_data_parallel(args, service_config, settings)

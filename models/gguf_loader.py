@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from kiln.runtime.errors import ModelLoadError
+from kiln.runtime.sampling import model_generation_defaults
 
 from .checkpoint import Checkpoint
 from .config import LlamaConfig
@@ -271,6 +272,20 @@ def stored_quantization(tensor_types: list[str]) -> str:
     return "gguf"
 
 
+# llama.cpp's sampling metadata (general.sampling.*) by the name of the request field it sets.
+SAMPLING_KEYS = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                  "repetition_penalty": "penalty_repeat"}
+
+
+def gguf_generation_defaults(meta: dict[str, Any], path: Path) -> dict[str, float | int]:
+    """The sampling defaults a GGUF's general.sampling.* keys give, checked."""
+    values = {field: meta.get(f"general.sampling.{key}") for field, key in SAMPLING_KEYS.items()}
+    try:
+        return model_generation_defaults(values, f"{path} (general.sampling)")
+    except ValueError as error:
+        raise ModelLoadError(str(error)) from None
+
+
 def load_gguf(path: str | Path) -> Checkpoint:
     """Read a GGUF file: config, dequantized float32 tensors in HF names, tokenizer."""
     path = Path(path)
@@ -336,6 +351,7 @@ def load_gguf(path: str | Path) -> Checkpoint:
         source=str(path),
         stored_quantization=quantization,
         blocks=blocks,
+        generation_defaults=gguf_generation_defaults(meta, path),
     )
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from kiln.runtime.errors import ModelLoadError
 
 from .checkpoint import Checkpoint
-from .gguf_loader import GLOBAL_NAMES, LAYER_NAMES, llama3_rope_factors, permute_qk
+from .gguf_loader import GLOBAL_NAMES, LAYER_NAMES, SAMPLING_KEYS, llama3_rope_factors, permute_qk
 from .gguf_tokenizer import tokenizer_to_gguf
 
 WRITE_DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
@@ -122,6 +122,13 @@ def write_gguf(checkpoint: Checkpoint, path: str | Path, dtype: str = "f32") -> 
         )
     elif rope_type not in (None, "default"):
         raise ModelLoadError(f"cannot write rope scaling {scaling} to GGUF")
+
+    for field, value in checkpoint.generation_defaults.items():  # as gguf_loader reads them back
+        key = f"general.sampling.{SAMPLING_KEYS[field]}"
+        if field == "top_k":
+            w.add_int32(key, value)
+        else:
+            w.add_float32(key, value)
 
     # Tokenizer.
     meta = tokenizer_to_gguf(checkpoint.tokenizer_json, checkpoint.tokenizer_config, c.vocab_size)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from kiln.runtime.errors import ModelLoadError
+from kiln.runtime.sampling import model_generation_defaults
 
 from .checkpoint import Checkpoint
 from .config import DIFFUSION_ARCHITECTURES, SUPPORTED_ARCHITECTURES, LlamaConfig
@@ -140,7 +141,8 @@ def load_hf_directory(directory: Path, values: dict | None = None) -> Checkpoint
 def checkpoint_with_tokenizer(directory: Path, config: LlamaConfig,
                               tensors: dict[str, np.ndarray]) -> Checkpoint:
     """The Checkpoint of `config` and `tensors` (in Kiln's names) with the directory's
-    tokenizer.json (required), tokenizer_config.json and generation_config.json's stop ids."""
+    tokenizer.json (required), tokenizer_config.json, and generation_config.json's stop ids and
+    sampling defaults."""
     if "lm_head.weight" not in tensors and not config.tie_word_embeddings:
         config.tie_word_embeddings = True  # some exports drop a tied head without saying so
     tokenizer_path = directory / "tokenizer.json"
@@ -150,13 +152,20 @@ def checkpoint_with_tokenizer(directory: Path, config: LlamaConfig,
     if (directory / "tokenizer_config.json").exists():
         tokenizer_config = read_json(directory / "tokenizer_config.json")
     generation = directory / "generation_config.json"
+    defaults = {}
     if generation.exists():
-        extra = token_ids(read_json(generation).get("eos_token_id"))
+        values = read_json(generation)
+        extra = token_ids(values.get("eos_token_id"))
         config.eos_token_ids = sorted(set(config.eos_token_ids) | set(extra))
+        try:
+            defaults = model_generation_defaults(values, str(generation))
+        except ValueError as error:
+            raise ModelLoadError(str(error)) from None
     return Checkpoint(
         config=config,
         tensors=tensors,
         tokenizer_json=tokenizer_path.read_text(),
         tokenizer_config=tokenizer_config,
         source=str(directory),
+        generation_defaults=defaults,
     )

@@ -47,12 +47,14 @@ def hf_config_dict(config: LlamaConfig) -> dict:
     return d
 
 
-def generation_config_dict(config: LlamaConfig) -> dict:
-    """generation_config.json: the stop ids, which HF takes from here rather than config.json."""
+def generation_config_dict(config: LlamaConfig, sampling: dict | None = None) -> dict:
+    """generation_config.json: the stop ids, which HF takes from here rather than config.json,
+    and the model's sampling defaults (`sampling`: Checkpoint.generation_defaults)."""
     eos = config.eos_token_ids
     return {
         "bos_token_id": config.bos_token_id,
         "eos_token_id": eos[0] if len(eos) == 1 else list(eos),
+        **({"do_sample": True, **sampling} if sampling else {}),
     }
 
 
@@ -80,7 +82,7 @@ def write_hf_directory(checkpoint: Checkpoint, directory: str | Path, shards: in
     directory.mkdir(parents=True, exist_ok=True)
     config = checkpoint.config
     _write_json(directory / "config.json", hf_config_dict(config))
-    _write_json(directory / "generation_config.json", generation_config_dict(config))
+    _write_json(directory / "generation_config.json", generation_config_dict(config, checkpoint.generation_defaults))
     (directory / "tokenizer.json").write_text(checkpoint.tokenizer_json)
     _write_json(directory / "tokenizer_config.json", checkpoint.tokenizer_config)
     tensors = {k: np.ascontiguousarray(v) for k, v in checkpoint.tensors.items()}

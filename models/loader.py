@@ -7,7 +7,7 @@ from pathlib import Path
 from kiln.runtime.errors import ModelLoadError
 
 from .checkpoint import Checkpoint
-from .default_model import DEFAULT_MODEL_NAME, default_model_path
+from .default_model import DEFAULT_MODEL_GENERATION_DEFAULTS, DEFAULT_MODEL_NAME, default_model_path
 from .gguf_loader import load_gguf
 from .diffusion_loader import diffusion_kind, load_diffusion_directory
 from .hf_loader import load_hf_directory, read_json
@@ -18,6 +18,7 @@ def load_checkpoint(path: str | Path | None = None) -> Checkpoint:
     if path is None:
         checkpoint = load_checkpoint(default_model_path())
         checkpoint.config.name = DEFAULT_MODEL_NAME
+        checkpoint.generation_defaults = checkpoint.generation_defaults or dict(DEFAULT_MODEL_GENERATION_DEFAULTS)
         return checkpoint
     path = Path(path)
     if not path.exists():

@@ -110,6 +110,9 @@ class KilnParams:
     # Context lengths T with decode_bs<N>_ctx<T> beside each decode_bs<N> (contract.fixed_decode_name):
     # the same decode with every shape fixed, for a cache of exactly device_block_count pages.
     decode_buckets: list[int] = field(default_factory=list)
+    # The model's own sampling defaults (sampling.MODEL_DEFAULT_FIELDS) for requests that leave
+    # those fields unset: its generation_config.json's, as vLLM takes them.
+    generation_defaults: dict = field(default_factory=dict)
 
     FIELD_NAMES = ()  # filled below
 

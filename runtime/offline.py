@@ -46,12 +46,17 @@ class LLM:
     def _call(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
+    def default_params(self) -> SamplingParams:
+        """What a call without params samples with: the model's own defaults where it has them
+        (as a request that sets no sampling field), else SamplingParams'."""
+        return SamplingParams.from_kwargs(model_defaults=self.service.generation_defaults)
+
     def generate(
         self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | None = None,
         add_special_tokens: bool = True,
     ) -> list[GenerationResult]:
         """Generate for every prompt (text or token ids) at once; results in prompt order."""
-        params = params or SamplingParams()
+        params = params or self.default_params()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         ids = [p if isinstance(p, list) else self.service.encode(p, add_special_tokens) for p in prompts]
@@ -59,7 +64,7 @@ class LLM:
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, add_special_tokens: bool = True):
         """Yield Events for one prompt as they are produced."""
-        params = params or SamplingParams()
+        params = params or self.default_params()
         ids = prompt if isinstance(prompt, list) else self.service.encode(prompt, add_special_tokens)
         events: queue.Queue = queue.Queue()
         done = object()

@@ -25,6 +25,31 @@ MAX_LOGIT_BIAS = 1024  # entries of logit_bias; each bias in [-100, 100], as Ope
 # Below this temperature, sampling is greedy (as vLLM's _SAMPLING_EPS): dividing by it
 # would only turn the distribution into a one-hot one with worse numerics.
 _GREEDY_TEMPERATURE = 1e-5
+# The sampling fields a model's own generation defaults may set (its generation_config.json,
+# a GGUF's general.sampling.* keys): vLLM's set. A request field left unset takes the model's
+# value where it has one, else SamplingParams' own default.
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def model_generation_defaults(values: dict[str, Any], source: str) -> dict[str, float | int]:
+    """The sampling defaults a model's file gives (MODEL_DEFAULT_FIELDS' names; `values` may hold
+    anything else too), each checked as a request's field would be: a value no request could
+    give is refused with the file (`source`) and field named, so every request is not refused
+    for it later."""
+    defaults: dict[str, float | int] = {}
+    for name in MODEL_DEFAULT_FIELDS:
+        value = values.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (name == "top_k" and value != int(value)):
+            raise ValueError(f"{source}: {name} must be a number, got {value!r}")
+        value = int(value) if name == "top_k" else float(value)
+        try:
+            SamplingParams(**{name: value}).validate()
+        except InvalidRequestError as error:
+            raise ValueError(f"{source}: {error}") from None
+        defaults[name] = value
+    return defaults
 
 
 @dataclass
@@ -79,13 +104,19 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids)
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "SamplingParams":
-        """Build from request fields: None means "use the default"; unknown names are an error."""
+    def from_kwargs(cls, model_defaults: dict[str, Any] | None = None, **kwargs: Any) -> "SamplingParams":
+        """Build from request fields: None means "use the default", the model's own
+        (`model_defaults`, from model_generation_defaults) where it has one for that field, else
+        this class's; unknown names are an error."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise InvalidRequestError(f"unknown sampling parameters: {', '.join(unknown)}", param=unknown[0])
-        return cls(**{k: v for k, v in kwargs.items() if v is not None})
+        given = {k: v for k, v in kwargs.items() if v is not None}
+        for name, value in (model_defaults or {}).items():
+            if name in MODEL_DEFAULT_FIELDS:
+                given.setdefault(name, value)
+        return cls(**given)
 
     @property
     def greedy(self) -> bool:

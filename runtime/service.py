@@ -21,6 +21,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from .batcher import Batcher
+from .config import sidecar_path
 from .contract import TOKENIZER_CONFIG_FILE, Artifacts
 from .diffusion.checks import check_diffusion_request
 from .diffusion.scheduler import DiffusionScheduler, DiffusionSchedulerConfig
@@ -35,7 +36,7 @@ from .kv_tiers import KvTiers, disk_store_for, host_tier_for
 from .output_processor import OutputProcessor
 from .program import Program
 from .request import Event, Request
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, model_generation_defaults
 from .scheduler import Scheduler, SchedulerConfig
 from .service_config import ServiceConfig
 from .speculative import Speculator
@@ -106,6 +107,9 @@ class GenerateService:
         self.batcher: Batcher | None = None
         self.eos_token_ids: list[int] = []
         self.vocab_size = 0
+        # What a request's unset sampling fields become (SamplingParams.from_kwargs' model_defaults):
+        # the model's own generation defaults, unless config.sampling_defaults says OpenAI's.
+        self.generation_defaults: dict = {}
         # APD's autoregressive verifier (config.apd_verifier), its cache and its executor.
         self.verifier: Program | None = None
         self.verifier_cache: PlainPagedAttentionCache | None = None
@@ -148,6 +152,14 @@ class GenerateService:
             self.tokenizer_config = json.loads(tokenizer_config_path.read_text())
         self.vocab_size = program.kiln.vocab_size or self.tokenizer.get_vocab_size()
         self.eos_token_ids = list(program.kiln.eos_token_ids) or self._eos_from_tokenizer()
+        if config.sampling_defaults == "model":
+            try:
+                self.generation_defaults = model_generation_defaults(
+                    program.kiln.generation_defaults, f"{sidecar_path(artifacts.config)}'s generation_defaults")
+            except ValueError as error:
+                raise ModelLoadError(str(error)) from None
+            if self.generation_defaults:
+                log.info("requests that leave them unset sample with the model's defaults %s", self.generation_defaults)
         if grammar_engine_installed() and not program.capabilities.is_diffusion:
             self.grammars = GrammarCompiler(tokenizer_path.read_text(), self.vocab_size, self.eos_token_ids)
 

@@ -13,6 +13,9 @@ from .parameters import PARAMETER_MEMORY
 
 PREFIX_SHARING = ("trie", "none")
 HOST_WRITE_POLICIES = ("write_through", "write_back")  # as kvcache.host_tier names them
+# Where a request's unset sampling fields come from: the model's own generation defaults where
+# it has them (vLLM's and SGLang's default), or OpenAI's API defaults always.
+SAMPLING_DEFAULTS = ("model", "openai")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -78,6 +81,7 @@ class ServiceConfig:
     host_kv_write_policy: str = "write_through"  # or "write_back": copy at eviction, not at publish
     # A disk tier under the host tier: pages saved in this directory outlive the server (None: off).
     kv_cache_dir: str | None = None
+    sampling_defaults: str = "model"  # one of SAMPLING_DEFAULTS
 
     def __post_init__(self):
         if self.prefix_sharing not in PREFIX_SHARING:
@@ -85,6 +89,9 @@ class ServiceConfig:
         if self.parameter_memory not in PARAMETER_MEMORY:
             raise ValueError(f"parameter_memory must be one of {', '.join(PARAMETER_MEMORY)}, "
                              f"got {self.parameter_memory!r}")
+        if self.sampling_defaults not in SAMPLING_DEFAULTS:
+            raise ValueError(f"sampling_defaults must be one of {', '.join(SAMPLING_DEFAULTS)}, "
+                             f"got {self.sampling_defaults!r}")
         if self.host_kv_write_policy not in HOST_WRITE_POLICIES:
             raise ValueError(f"host_kv_write_policy must be one of {', '.join(HOST_WRITE_POLICIES)}, "
                              f"got {self.host_kv_write_policy!r}")

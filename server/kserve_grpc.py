@@ -99,7 +99,8 @@ def request_inputs(request: pb.ModelInferRequest) -> dict[str, object]:
     return values
 
 
-def sampling_params(given: bytes | None, settings: ServerSettings) -> SamplingParams:
+def sampling_params(given: bytes | None, settings: ServerSettings,
+                    model_defaults: dict | None = None) -> SamplingParams:
     """`sampling_parameters`, vLLM's names; numbers may come as strings (Triton's examples send them so)."""
     try:
         fields_given = json.loads(given) if given else {}
@@ -125,7 +126,7 @@ def sampling_params(given: bytes | None, settings: ServerSettings) -> SamplingPa
     for internal in ("constraint", "diffusion"):
         if internal in typed:
             raise InvalidRequestError(f"unknown sampling parameters: {internal}", param=internal)
-    params = SamplingParams.from_kwargs(**typed)
+    params = SamplingParams.from_kwargs(model_defaults=model_defaults, **typed)
     check_limits(settings, params)  # every door's limits first, then this protocol's own
     if params.sequence_count != 1:
         raise InvalidRequestError("n and num_beams must be 1 here: one text_output per request", param="n")
@@ -234,7 +235,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             raise InvalidRequestError(f"text_input has {len(raw)} bytes: the server tokenizes at most "
                                       f"{settings.max_prompt_chars} characters", param="text_input")
         prompt = raw.decode("utf-8", errors="replace")
-        params = sampling_params(inputs.get("sampling_parameters"), settings)
+        params = sampling_params(inputs.get("sampling_parameters"), settings, service.generation_defaults)
         stream = bool(inputs.get("stream"))
         ids = await encode(service, prompt, settings.max_prompt_chars, param="text_input")
         # The client's id is echoed, not used: Triton's clients may reuse one across requests.

@@ -1,7 +1,8 @@
 """Request fields → the runtime's SamplingParams, with each API's defaults.
 
-OpenAI: temperature 1, top_p 1, 16 tokens for completions, the rest of the context for
-chat. shortfin: 50 tokens, greedy unless top_k or top_p is given (temperature only
+OpenAI: the model's own sampling defaults where it has them (GenerateService.generation_defaults,
+as vLLM takes them), else temperature 1, top_p 1; 16 tokens for completions, the rest of the
+context for chat. shortfin: 50 tokens, greedy unless top_k or top_p is given (temperature only
 shapes sampling). Range checks are SamplingParams.validate's, through check_request.
 """
 
@@ -109,10 +110,14 @@ def only_one(given: list[Constraint]) -> Constraint | None:
 
 
 def openai_params(body: OpenAISampling, max_tokens: int, logprobs: int | None = None,
-                  prompt_logprobs: int | None = None, diffusion_model: bool = False) -> SamplingParams:
+                  prompt_logprobs: int | None = None, diffusion_model: bool = False,
+                  model_defaults: dict | None = None) -> SamplingParams:
+    """`model_defaults` (the service's generation_defaults) fill the sampling fields the request
+    leaves unset, before OpenAI's defaults do."""
     # A diffusion LM denoises greedily unless asked (LLaDA's and Fast-dLLM's default).
     temperature = body.temperature if body.temperature is not None or not diffusion_model else 0.0
     return SamplingParams.from_kwargs(
+        model_defaults=model_defaults,
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=body.top_p,

@@ -53,6 +53,7 @@ def sampling_params(sp: pb.SamplingParams, prompt: list[int], service: GenerateS
         raise InvalidRequestError("logprobs of every token (-1) are not available: ask for at most 20",
                                   param="logprobs")
     return SamplingParams.from_kwargs(
+        model_defaults=service.generation_defaults,
         max_tokens=sp.max_tokens if sp.HasField("max_tokens") else rest_of_context(service, prompt),
         temperature=sp.temperature if sp.HasField("temperature") else None,
         top_p=sp.top_p or None, top_k=sp.top_k or None, min_p=sp.min_p or None,

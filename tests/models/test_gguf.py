@@ -384,3 +384,26 @@ def test_a_type_no_dequantizer_knows_is_a_clear_error():
     tensor = _raw_tensor(GGMLQuantizationType.Q8_1, bytes(type_bytes), block)
     with pytest.raises(ModelLoadError, match="blk.0.attn_q.weight: GGUF type Q8_1 cannot be dequantized"):
         _dequantize(tensor)
+
+
+def test_a_models_sampling_defaults_round_trip_through_gguf_and_hf_directories(tmp_path):
+    from kiln.models.loader import load_checkpoint
+
+    checkpoint = make_tiny_checkpoint(seed=0)
+    checkpoint.generation_defaults = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05}
+    meta = read_gguf_metadata(write_gguf(checkpoint, tmp_path / "m.gguf"))
+    assert meta["general.sampling.temp"] == 0.6 and meta["general.sampling.top_k"] == 20  # llama.cpp's keys
+    assert load_gguf(tmp_path / "m.gguf").generation_defaults == checkpoint.generation_defaults
+    write_hf_directory(checkpoint, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["temperature"] == 0.6
+    assert load_checkpoint(tmp_path / "hf").generation_defaults == checkpoint.generation_defaults
+
+
+def test_a_sampling_default_no_request_could_give_is_refused_at_load_naming_the_file(tmp_path):
+    from kiln.models.loader import load_checkpoint
+
+    directory = write_hf_directory(make_tiny_checkpoint(seed=0), tmp_path / "hf")
+    generation = json.loads((directory / "generation_config.json").read_text())
+    (directory / "generation_config.json").write_text(json.dumps({**generation, "top_p": 0.0}))
+    with pytest.raises(ModelLoadError, match=r"generation_config\.json: top_p must be in \(0, 1\]"):
+        load_checkpoint(directory)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,6 +16,7 @@ from kiln.runtime.sampling import (
     apply_penalties,
     compute_logprobs,
     make_generator,
+    model_generation_defaults,
 )
 
 V = 1000
@@ -328,3 +330,21 @@ def test_logit_bias_moves_the_choice_and_leaves_logprobs_the_models():
     banned = SamplingParams(temperature=1.0, seed=1, logit_bias={best: -100.0})
     draws = {sampler.sample(logits, banned, make_generator(s)).token_id for s in range(50)}
     assert best not in draws
+
+
+def test_unset_fields_take_the_models_defaults_and_set_fields_keep_the_requests():
+    defaults = {"temperature": 0.2, "top_p": 0.9, "top_k": 20}
+    params = SamplingParams.from_kwargs(model_defaults=defaults, temperature=None, top_p=0.5, max_tokens=3)
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.2, 0.5, 20, 3)
+    assert SamplingParams.from_kwargs(temperature=None).temperature == 1.0  # no model defaults: OpenAI's
+
+
+def test_a_models_defaults_are_checked_as_request_fields_are():
+    values = {"temperature": 0.7, "top_k": 40.0, "do_sample": True, "max_length": 20, "min_p": None}
+    assert model_generation_defaults(values, "g.json") == {"temperature": 0.7, "top_k": 40}
+    for bad, words in (({"top_p": 1.5}, "g.json: top_p must be in (0, 1]"),
+                       ({"temperature": "hot"}, "g.json: temperature must be a number"),
+                       ({"top_k": 2.5}, "g.json: top_k must be a number"),
+                       ({"repetition_penalty": True}, "g.json: repetition_penalty must be a number")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            model_generation_defaults(bad, "g.json")

@@ -354,3 +354,36 @@ def test_lifecycle_states(tiny_artifacts):
         assert service.state is ServiceState.STOPPED
 
     run(scenario())
+
+
+def _with_generation_defaults(tiny_artifacts, directory, defaults: dict):
+    """The tiny build with `defaults` as its model's generation defaults (as an export from a
+    generation_config.json writes them into model.kiln.json)."""
+    import json
+
+    directory.mkdir()
+    for file in tiny_artifacts.iterdir():
+        if file.name != "model.kiln.json":
+            (directory / file.name).symlink_to(file)
+    kiln = json.loads((tiny_artifacts / "model.kiln.json").read_text())
+    (directory / "model.kiln.json").write_text(json.dumps({**kiln, "generation_defaults": defaults}))
+    return directory
+
+
+def test_a_request_without_sampling_fields_samples_with_the_models_defaults(tiny_artifacts, tmp_path):
+    from kiln.runtime import LLM
+    from kiln.runtime.errors import ModelLoadError
+
+    greedy_model = _with_generation_defaults(tiny_artifacts, tmp_path / "greedy", {"temperature": 0.0})
+    prompt = prompts(1, seed=3)[0]
+    with LLM(Artifacts.in_directory(greedy_model)) as llm:
+        assert llm.service.generation_defaults == {"temperature": 0.0}
+        unset = llm.generate([prompt], SamplingParams.from_kwargs(model_defaults=llm.service.generation_defaults,
+                                                                  max_tokens=12, ignore_eos=True, seed=1))
+        assert unset[0].completions[0].token_ids == llm.generate([prompt], GREEDY)[0].completions[0].token_ids
+        assert llm.default_params().temperature == 0.0
+    with LLM(Artifacts.in_directory(greedy_model), sampling_defaults="openai") as llm:
+        assert llm.service.generation_defaults == {} and llm.default_params().temperature == 1.0
+    bad = _with_generation_defaults(tiny_artifacts, tmp_path / "bad", {"top_p": 2.0})
+    with pytest.raises(ModelLoadError, match=r"model\.kiln\.json's generation_defaults: top_p must be in \(0, 1\]"):
+        LLM(Artifacts.in_directory(bad))

@@ -27,6 +27,13 @@ def test_reference_continuation(llm):
     assert result.completions[0].finish_reason == "length"
 
 
+def test_the_bundled_model_samples_with_its_model_cards_defaults(llm):
+    """Requests that leave temperature and top_p unset get SmolLM2's (0.2, 0.9), not OpenAI's 1.0,
+    at which a 135M model rambles."""
+    assert llm.service.generation_defaults == {"temperature": 0.2, "top_p": 0.9}
+    assert (llm.default_params().temperature, llm.default_params().top_p) == (0.2, 0.9)
+
+
 def test_batch_of_prompts_matches_solo(llm):
     params = SamplingParams(max_tokens=16, temperature=0)
     prompts = ["The capital of France is", REFERENCE_PROMPT, "def fibonacci(n):", "Water boils at"]

@@ -315,3 +315,25 @@ def test_health_answers_while_a_50000_way_choice_compiles(server_of_its_own):
     assert all(choice["text"] in choices and choice["finish_reason"] == "stop" for choice in answered), answered
     assert len(latencies) > 5  # the compile took a while, and /health was asked all along
     assert max(latencies) < 0.1, sorted(latencies)[-5:]
+
+
+def test_every_openai_shaped_door_fills_unset_sampling_fields_with_the_models_defaults(doors, monkeypatch):
+    """The model's generation defaults (its generation_config.json) stand in for each sampling
+    field a request leaves unset, at every door that speaks OpenAI's or vLLM's fields; a field the
+    request sets is its own; /generate keeps shortfin's defaults (greedy unless sampled)."""
+    monkeypatch.setattr(doors.service, "generation_defaults", {"temperature": 0.25, "top_k": 7, "top_p": 0.5})
+    submitted = []
+    submit = doors.service.submit
+    monkeypatch.setattr(doors.service, "submit",
+                        lambda ids, params, *args: submitted.append(params) or submit(ids, params, *args))
+    fields = {"max_tokens": 2, "top_p": 0.75}
+    for door in ("completions", "chat", "websocket", "kserve_infer", "vllm_generate"):
+        submitted.clear()
+        assert getattr(doors, door)(fields) is None
+        assert [(p.temperature, p.top_k, p.top_p) for p in submitted] == [(0.25, 7, 0.75)], door
+    answer = httpx.post(doors.url + "/v1/responses", json={"input": "hi", "max_output_tokens": 2}, timeout=30)
+    assert answer.status_code == 200, answer.text
+    assert (submitted[-1].temperature, submitted[-1].top_k, submitted[-1].top_p) == (0.25, 7, 0.5)
+    submitted.clear()
+    assert doors.generate({"max_tokens": 2}) is None
+    assert submitted[0].temperature == 0.0 and submitted[0].top_k == -1
