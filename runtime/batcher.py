@@ -1,11 +1,11 @@
 """The batcher: one asyncio task that steps the model for every request in flight.
 
-Each step is three calls, as in nano-vllm: the scheduler decides a batch, the
-executor runs it, and the step's results are applied: sampled by the sampler,
-taken in by the scheduler (the one owner of sequence states), and turned into text
-and events by the output processor. A diffusion LM's pass is applied by its scheduler,
-whose newly committed tokens go out the same way. Aborts are applied between steps, so
-pages never change hands while the device writes to them.
+Each step is the same whatever the requests' generation modes (runtime/generation_mode.py),
+as in nano-vllm: the scheduler decides a batch, each mode may prepare it (drafts), the
+executor runs it, the scheduler counts what it wrote, each row's mode reads its output into
+the tokens its sequences take, runtime/finishing.py decides where each ends, and the output
+processor sends the events. Aborts are applied between steps, so pages never change hands
+while the device writes to them.
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .batch import Batch, Phase
-from .beam_search import BeamGroup
+from .batch import Batch
 from .executor import Executor
+from .finishing import Stopping
+from .generation_mode import GenerationMode, SearchDone, StepOutcome
 from .invocation import InvocationError
 from .kv_tiers import KvTiers
 from .output_processor import OutputProcessor
 from .request import Request, Sequence, SequenceState
-from .sampling import SampleResult, Sampler
-from .scheduler import Scheduler
-from .speculative import Speculator
+from .sampling import SamplingParams
+from .scheduler import BaseScheduler
 
 log = logging.getLogger("kiln.batcher")
 
@@ -33,38 +33,29 @@ log = logging.getLogger("kiln.batcher")
 @dataclass
 class BatcherCounters:
     steps: int = 0
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    denoise_steps: int = 0
-    verify_steps: int = 0  # APD's verifier calls
-    speculate_steps: int = 0  # speculative decoding's verify calls (decode steps with drafts)
-    # A diffusion LM's passes by what they computed ("full", "prefix", "dual", "apd"), and how many
-    # passes committed each number of positions (the tokens-per-forward histogram).
-    forward_passes: dict = field(default_factory=dict)
-    committed_per_pass: dict = field(default_factory=dict)
+    steps_by_phase: dict = field(default_factory=dict)  # "prefill", "decode", ... -> model calls
     prompt_tokens: int = 0
     generated_tokens: int = 0
     failed_batches: int = 0
 
 
 class Batcher:
-    def __init__(self, scheduler: Scheduler, executor: Executor, outputs: OutputProcessor, sampler: Sampler,
-                 verifier: Executor | None = None, speculator: Speculator | None = None,
-                 kv_tiers: KvTiers | None = None):
-        """`verifier`, with APD: the autoregressive model that runs the scheduler's VERIFY batches.
-        `speculator`, with speculative decoding: drafts for decode batches, and what rows keep.
-        `kv_tiers`: the prefix cache's host (and disk) tiers: the host's copies are made before
-        each step (and when idle) and passed on to be saved; with a disk, a request's saved pages
-        are read before it is scheduled."""
+    def __init__(self, scheduler: BaseScheduler, executor: Executor, modes: list[GenerationMode],
+                 stopping: Stopping, outputs: OutputProcessor, kv_tiers: KvTiers | None = None):
+        """`modes`: the generation modes, asked in order which takes a request (the last takes
+        any). `kv_tiers`: the prefix cache's host (and disk) tiers: the host's copies are made
+        before each step (and when idle) and passed on to be saved; with a disk, a request's
+        saved pages are read before it is scheduled."""
         self.scheduler = scheduler
         self.executor = executor
-        self.verifier = verifier
-        self.speculator = speculator
+        self.modes = {mode.name: mode for mode in modes}
+        self._mode_order = list(modes)
+        self._executors = {phase: ex for mode in modes for phase, ex in mode.executors().items()}
+        self.stopping = stopping
         self.kv_tiers = kv_tiers
         self.host_tier = kv_tiers.host if kv_tiers is not None else None
         self._prefetching: set[asyncio.Task] = set()
         self.outputs = outputs
-        self.sampler = sampler
         self.counters = BatcherCounters()
         self.requests: dict[str, Request] = {}
         self._pending_aborts: set[str] = set()
@@ -76,14 +67,16 @@ class Batcher:
     def submit(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
-        if request.params.beam_search:
-            request.beams = BeamGroup(request.params.num_beams, request.params.length_penalty)
         leader = None
         for index in range(request.params.sequence_count):
             seq = Sequence(request, index, leader=leader)
             request.sequences.append(seq)
             leader = leader or seq
+        mode = self.mode_for(request.params)
+        request.mode = mode.name
+        mode.start(request)
         self.requests[request.request_id] = request
+        self.stopping.add(request)
         self.outputs.add(request)
         self.counters.prompt_tokens += len(request.prompt_ids)
         if self.kv_tiers is None or self.kv_tiers.disk is None:
@@ -92,6 +85,10 @@ class Batcher:
         task = asyncio.get_running_loop().create_task(self._prefetch_then_schedule(request))
         self._prefetching.add(task)
         task.add_done_callback(self._prefetching.discard)
+
+    def mode_for(self, params: SamplingParams) -> GenerationMode:
+        """The mode that generates a request of these params: the first that accepts it."""
+        return next(mode for mode in self._mode_order if mode.accepts(params))
 
     async def _prefetch_then_schedule(self, request: Request) -> None:
         try:
@@ -132,6 +129,7 @@ class Batcher:
             if seq is None or seq.state is SequenceState.FINISHED:
                 continue
             self.scheduler.finish(seq, reason)
+            self.stopping.drop(seq)
             self.outputs.finish(seq, reason, error)
             requests[seq.request.request_id] = seq.request
         for request in requests.values():
@@ -163,24 +161,23 @@ class Batcher:
                 if not self._pending_aborts:
                     await self._wake.wait()
                 continue
-            if self.speculator is not None and batch.phase is Phase.DECODE:
-                batch = await self.speculator.extend(batch)
+            for mode in self._mode_order:
+                batch = await mode.prepare(batch)
             if self.host_tier is not None and self.host_tier.pending:
                 # Pages restored for this batch must hold their K/V before it runs; pages evicted
                 # while scheduling it are read before anyone writes them.
                 await self.copy_pages()
             try:
-                executor = self.verifier if batch.phase is Phase.VERIFY else self.executor
-                logits = await executor.run(batch)
+                logits = await self._executors.get(batch.phase, self.executor).run(batch)
             except InvocationError as error:
                 log.error("batch of %d failed: %s", batch.rows, error)
                 self.counters.failed_batches += 1
                 self._end(self.scheduler.sequences_of(batch), "error", str(error))
                 continue
             try:
-                self.postprocess(batch, logits)
+                self.update(batch, logits)
             except Exception as error:  # never let one bad row stop every request
-                log.exception("postprocess failed")
+                log.exception("applying a step's results failed")
                 self._end(self.scheduler.sequences_of(batch), "error", f"internal error: {error}")
             # Let request handlers run between steps even when the device is fast.
             await asyncio.sleep(0)
@@ -194,95 +191,49 @@ class Batcher:
         self.kv_tiers.save_copies(copied)
 
     # -- after a step -----------------------------------------------------------------
-    def postprocess(self, batch: Batch, logits: list[np.ndarray | None]) -> None:
-        """Sample, let the scheduler apply the step, and send each sequence's new text."""
-        self.counters.steps += 1
-        if batch.phase in (Phase.DENOISE, Phase.VERIFY):
-            if batch.phase is Phase.DENOISE:
-                self.counters.denoise_steps += 1
-            else:
-                self.counters.verify_steps += 1
-            self._apply_denoise(batch, logits)
-            return
-        if batch.phase is Phase.SPECULATE:
-            self.counters.speculate_steps += 1
-            self._apply_speculation(batch, logits)
-            return
-        if batch.phase is Phase.PREFILL:
-            self.counters.prefill_steps += 1
-        else:
-            self.counters.decode_steps += 1
+    def update(self, batch: Batch, logits: list[np.ndarray | None]) -> None:
+        """Count the step's K/V, let each row's mode read its output, and take what it gives."""
+        counters = self.counters
+        counters.steps += 1
+        counters.steps_by_phase[batch.phase.value] = counters.steps_by_phase.get(batch.phase.value, 0) + 1
         seqs = self.scheduler.sequences_of(batch)
-        last_logits: list[np.ndarray | None] = []
-        for seq, start, full, row_logits in zip(seqs, batch.starts, batch.full_logits, logits):
-            if seq is not None and full and row_logits is not None:  # every position: prompt logprobs
-                self.outputs.record_prompt_logprobs(seq, start, row_logits)
-                row_logits = row_logits[-1]
-            last_logits.append(row_logits)
-        sampling = [i for i, (seq, samples) in enumerate(zip(seqs, batch.samples)) if seq is not None and samples]
-        beam_rows = [i for i in sampling if seqs[i].request.beams is not None]  # scored by the group, not sampled
-        sampling = [i for i in sampling if seqs[i].request.beams is None]
-        samples = dict(zip(sampling, self.sampler.sample_rows([last_logits[i] for i in sampling],
-                                                              [seqs[i] for i in sampling])))
-        tokens = [samples[i].token_id if i in samples else None for i in range(batch.rows)]
-        finishes = self.scheduler.postprocess(batch, tokens)
-        self.counters.generated_tokens += len(samples)
-        for i, sample in samples.items():
-            seq = seqs[i]
-            if self.outputs.token(seq, sample, finishes[i]):
-                self.scheduler.finish(seq, "stop")
-            self._forget_if_done(seq.request)
-        for i in beam_rows:
-            self._beam_report(seqs[i], last_logits[i])
-
-    def _beam_report(self, seq: Sequence, logits: np.ndarray) -> None:
-        """A beam's next-token logits; once every live beam of its search has reported, the
-        search steps: beams continue or fork, and a finished search sends its best beams."""
-        request = seq.request
-        group = request.beams
-        if not group.report(seq.index, logits):
-            return
-        params = request.params
-        ends = frozenset(self.scheduler.eos_token_ids if not params.ignore_eos else ()) | set(params.stop_token_ids)
-        generated = [s.output_ids for s in request.sequences[: group.live]]
-        choices = group.step(generated, ends, params.max_tokens)
-        self.counters.generated_tokens += len(generated)
-        self.scheduler.apply_beams(request, choices)
-        if group.done:
-            self.outputs.beams_finished(request, group.ranked(params.n))
-            for beam in request.sequences:
-                self.scheduler.finish(beam, "stop")
-            self._forget_if_done(request)
-
-    def _apply_speculation(self, batch: Batch, logits: list[np.ndarray | None]) -> None:
-        """A verify call: each row's kept tokens go out one by one, as if decoded one per step."""
-        seqs = self.scheduler.sequences_of(batch)
-        kept = self.speculator.verify(batch, seqs, logits, self.sampler)
-        finishes = self.scheduler.postprocess_speculative(batch, [[r.token_id for r in row] for row in kept])
-        for seq, samples, row_finishes in zip(seqs, kept, finishes):
-            for sample, finish in zip(samples, row_finishes):
-                self.counters.generated_tokens += 1
-                if self.outputs.token(seq, sample, finish):
-                    self.scheduler.finish(seq, "stop")
-                    break
+        self.scheduler.written(batch)
+        self.outputs.record_prompt_logprobs(batch, seqs, logits)
+        rows_by_mode: dict[str, list[int]] = {}
+        for i, seq in enumerate(seqs):
             if seq is not None:
-                self._forget_if_done(seq.request)
+                rows_by_mode.setdefault(seq.request.mode, []).append(i)
+        for name, rows in rows_by_mode.items():
+            mode = self.modes[name]
+            for outcome in mode.update(batch, rows, seqs, logits):
+                self._apply(outcome, mode)
 
-    def _apply_denoise(self, batch: Batch, logits: list[np.ndarray | None]) -> None:
-        """A diffusion LM's pass: the scheduler commits each canvas; the newly committed
-        tokens go out as text, left to right, as if sampled one by one."""
-        for update in self.scheduler.postprocess(batch, logits):
-            seq, counters = update.seq, self.counters
-            kind, committed = seq.canvas.last_pass_kind, seq.canvas.committed_per_pass[-1]
-            counters.forward_passes[kind] = counters.forward_passes.get(kind, 0) + 1
-            counters.committed_per_pass[committed] = counters.committed_per_pass.get(committed, 0) + 1
-            counters.generated_tokens += len(update.tokens)
-            for index, token in enumerate(update.tokens):
-                finish = update.finish if index == len(update.tokens) - 1 else None
-                if self.outputs.token(seq, SampleResult(token), finish):
-                    self.scheduler.finish(seq, "stop")
-                    break
-            else:
-                if update.finish is not None and not update.tokens:
-                    self.outputs.finish(seq, update.finish.reason)
-            self._forget_if_done(seq.request)
+    def _apply(self, outcome: StepOutcome, mode: GenerationMode) -> None:
+        if isinstance(outcome, SearchDone):
+            self._search_done(outcome)
+            return
+        seq = outcome.seq
+        if seq.state is SequenceState.FINISHED:
+            return
+        if not outcome.samples and outcome.end is not None:  # its mode ends it with no token to take
+            self._end([seq], outcome.end.reason)
+            return
+        for index, sample in enumerate(outcome.samples):
+            mode_end = outcome.end if index == len(outcome.samples) - 1 else None
+            taken = self.stopping.take(seq, sample.token_id, mode_end, mode.counts_max_tokens)
+            self.counters.generated_tokens += 1
+            self.outputs.token(seq, sample, taken)
+            if taken.finish is not None:
+                self.scheduler.finish(seq, taken.finish.reason)
+                break
+        self._forget_if_done(seq.request)
+
+    def _search_done(self, done: SearchDone) -> None:
+        """A search's sequences end together, its results sent whole."""
+        request = done.request
+        self.outputs.search_finished(request, done.results)
+        self.counters.generated_tokens += sum(len(result.tokens) for result in done.results)
+        for seq in request.sequences:
+            self.scheduler.finish(seq, "stop")
+            self.stopping.drop(seq)
+        self._forget_if_done(request)

@@ -1,53 +1,43 @@
-"""From a step's tokens to what callers read: text, stop strings, logprobs, Events.
+"""From what a step decided to what callers read: Events, with their text, logprobs and ends.
 
-The one owner of each sequence's detokenizer and stop-string checker. It changes no
-sequence's state: a stop string it finds is handed back, and the scheduler finishes
-that sequence.
+It decides nothing: the text a token releases and whether the sequence ends there come
+from runtime/finishing.py. It keeps each sequence's prompt logprobs while its prompt is
+prefilled, and sends them with the first event.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .detokenizer import IncrementalDetokenizer, StopChecker
+from .batch import Batch, Phase
+from .finishing import TakenToken
 from .request import Event, Request, Sequence, TokenLogprob
 from .sampling import SampleResult, compute_logprobs_rows
-from .scheduler import Finish
-
-
-class _SequenceText:
-    """One sequence's text state: its detokenizer, its stop checker, its prompt logprobs so far."""
-
-    def __init__(self, seq: Sequence, tokenizer):
-        params = seq.params
-        self.detokenizer = IncrementalDetokenizer(tokenizer, seq.prompt_ids,
-                                                  skip_special_tokens=params.skip_special_tokens)
-        self.stop_checker = StopChecker(params.stop)
-        # Prompt logprobs by position while the prompt is prefilled; None once sent (or never wanted).
-        wanted = seq.index == 0 and params.prompt_logprobs is not None
-        self.prompt_logprobs: dict[int, TokenLogprob] | None = {} if wanted else None
-
-    def take_prompt_logprobs(self, prompt_len: int) -> list[TokenLogprob | None] | None:
-        """The prompt's logprobs in order, once (after its prefill); None afterwards."""
-        found, self.prompt_logprobs = self.prompt_logprobs, None
-        if found is None:
-            return None
-        return [None] + [found.get(position) for position in range(1, prompt_len)]
 
 
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self._texts: dict[int, _SequenceText] = {}
+        # Prompt logprobs by position while a prompt is prefilled (sequence 0 of requests that
+        # ask for them), until sent.
+        self._prompt_logprobs: dict[int, dict[int, TokenLogprob]] = {}
 
     def add(self, request: Request) -> None:
-        for seq in request.sequences:
-            self._texts[seq.seq_id] = _SequenceText(seq, self.tokenizer)
+        if request.params.prompt_logprobs is not None and request.sequences:
+            self._prompt_logprobs[request.sequences[0].seq_id] = {}
 
-    def record_prompt_logprobs(self, seq: Sequence, start: int, logits: np.ndarray) -> None:
+    def record_prompt_logprobs(self, batch: Batch, seqs: list[Sequence | None], logits: list) -> None:
+        """Keep the prompt logprobs a prefill's rows with every position's logits score."""
+        if batch.phase is not Phase.PREFILL:
+            return
+        for seq, start, full, row_logits in zip(seqs, batch.starts, batch.full_logits, logits):
+            if seq is not None and full and row_logits is not None:
+                self._record(seq, start, row_logits)
+
+    def _record(self, seq: Sequence, start: int, logits: np.ndarray) -> None:
         """Logits [L, V] at positions start.. score prompt tokens start+1..: keep those, by position."""
-        state = self._texts[seq.seq_id]
-        if state.prompt_logprobs is None:
+        found = self._prompt_logprobs.get(seq.seq_id)
+        if found is None:
             return
         count = min(len(logits), seq.prompt_len - 1 - start)
         if count <= 0:
@@ -55,49 +45,37 @@ class OutputProcessor:
         targets = seq.tokens[start + 1 : start + 1 + count]
         rows = compute_logprobs_rows(logits[:count], targets, seq.params.prompt_logprobs)
         for offset, (token, (logprob, top)) in enumerate(zip(targets, rows)):
-            state.prompt_logprobs[start + 1 + offset] = TokenLogprob(token, logprob, top)
+            found[start + 1 + offset] = TokenLogprob(token, logprob, top)
 
-    def token(self, seq: Sequence, sample: SampleResult, finish: Finish | None) -> bool:
-        """Emit the event for a token the scheduler appended (and maybe finished on).
+    def _take_prompt_logprobs(self, seq: Sequence) -> list[TokenLogprob | None] | None:
+        """The prompt's logprobs in order, once (after its prefill); None afterwards."""
+        found = self._prompt_logprobs.pop(seq.seq_id, None)
+        if found is None:
+            return None
+        return [None] + [found.get(position) for position in range(1, seq.prompt_len)]
 
-        Returns True when a stop string ended the text here: the sequence must finish.
-        """
-        state = self._texts[seq.seq_id]
-        token = sample.token_id
-        # An EOS or stop token ends the text without being part of it.
-        delta = "" if finish is not None and finish.stop_token is not None else state.detokenizer.add(token)
-        text, stopped = state.stop_checker.feed(delta)
-        reason = "stop" if stopped else (finish.reason if finish else None)
-        stop_reason = state.stop_checker.matched if stopped else (finish.stop_token if finish else None)
-        if reason is not None and not stopped:
-            # Release what the detokenizer and the stop checker still hold.
-            tail, stopped = state.stop_checker.feed(state.detokenizer.flush())
-            text += tail
-            if stopped:
-                reason, stop_reason = "stop", state.stop_checker.matched
-            else:
-                text += state.stop_checker.finish()
-        logprobs = [] if sample.logprob is None else [TokenLogprob(token, sample.logprob, sample.top_logprobs or {})]
-        # The last event carries the last token and the reason together.
-        error = finish.error if finish is not None and reason == finish.reason else None
-        seq.emit(Event(seq.index, text=text, token_ids=[token], logprobs=logprobs,
-                       prompt_logprobs=state.take_prompt_logprobs(seq.prompt_len),
-                       finish_reason=reason, stop_reason=None if error else stop_reason, error=error,
-                       error_param=seq.params.constraint.param if error else None))
-        if reason is not None:
-            del self._texts[seq.seq_id]
-        return stopped
+    def token(self, seq: Sequence, sample: SampleResult, taken: TakenToken) -> None:
+        """The event for a token a sequence took: its text, its logprob, and its end if it ended."""
+        finish = taken.finish
+        logprobs = [] if sample.logprob is None else \
+            [TokenLogprob(sample.token_id, sample.logprob, sample.top_logprobs or {})]
+        error = finish.error if finish is not None else None
+        seq.emit(Event(seq.index, text=taken.text, token_ids=[sample.token_id], logprobs=logprobs,
+                       prompt_logprobs=self._take_prompt_logprobs(seq),
+                       finish_reason=finish.reason if finish is not None else None,
+                       stop_reason=finish.stop_reason if finish is not None and not error else None,
+                       error=error, error_param=seq.params.constraint.param if error else None))
 
     def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        """The last event of a sequence ended from outside a step: aborted, or failed. (A beam
-        search's sequences past its n are slots, never seen by the caller.)"""
-        if self._texts.pop(seq.seq_id, None) is not None and seq.index < seq.params.n:
+        """The last event of a sequence that ended without a token (aborted, failed, a full
+        canvas). A beam search's sequences past its n are slots, never seen by the caller."""
+        self._prompt_logprobs.pop(seq.seq_id, None)
+        if seq.index < seq.params.n:
             seq.emit(Event(seq.index, finish_reason=reason, error=error))
 
-    def beams_finished(self, request: Request, hypotheses) -> None:
-        """A beam search's result, the best first: each hypothesis whole, in one event each."""
-        for seq in request.sequences:
-            self._texts.pop(seq.seq_id, None)
+    def search_finished(self, request: Request, hypotheses) -> None:
+        """A search's results (runtime.beam_search.Hypothesis), the best first: each whole, in one
+        event each."""
         skip = request.params.skip_special_tokens
         for index, hypothesis in enumerate(hypotheses):
             request.sequences[index].emit(Event(

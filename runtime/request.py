@@ -17,12 +17,15 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .kvcache.base import PageAllocation
 from .sampling import SamplingParams, make_generator
+
+if TYPE_CHECKING:
+    from .grammar import TokenMatcher
 
 _sequence_ids = itertools.count()
 
@@ -89,6 +92,23 @@ class Completion:
             self.error_param = event.error_param
 
 
+class RequestState:
+    """A request's state in its generation mode (runtime/generation_mode.py). The default is
+    plain decoding's: sequences are independent, and a sibling of an n > 1 request starts once
+    its leader's prompt is cached, so it reuses those pages."""
+
+    def can_start(self, seq: Sequence) -> bool:
+        return seq.leader is None or seq.leader.state in (SequenceState.DECODE, SequenceState.FINISHED)
+
+    def gang(self, seq: Sequence) -> list[Sequence]:
+        """The sequences that decode with `seq` in one step, all of them or none."""
+        return [seq]
+
+
+class SequenceModeState:
+    """A sequence's state in its generation mode, where the mode keeps one (a diffusion canvas)."""
+
+
 @dataclass
 class Request:
     prompt_ids: list[int]
@@ -96,12 +116,13 @@ class Request:
     request_id: str
     priority: int = 0  # lower is served first, as in vLLM
     events: asyncio.Queue = field(default_factory=asyncio.Queue, repr=False)
-    sequences: list["Sequence"] = field(default_factory=list, repr=False)
+    sequences: list[Sequence] = field(default_factory=list, repr=False)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first sequence)
     forward_passes: int = 0  # a diffusion LM's passes over this request's sequences (its NFE)
     canvas_tokens: int = 0  # a diffusion LM's canvas per sequence: max_tokens rounded up to whole blocks
-    matchers: list = field(default_factory=list, repr=False)  # structured output: one per sequence
-    beams: Any = None  # beam search: its runtime.beam_search.BeamGroup; sequence i is beam slot i
+    matchers: list[TokenMatcher] = field(default_factory=list, repr=False)  # structured output: one per sequence
+    mode: str = ""  # the generation mode that runs it, named when submitted
+    mode_state: RequestState = field(default_factory=RequestState, repr=False)
     # time.monotonic() when submitted, and when its first sequence was admitted to run: the
     # difference is its queue time (a metric the server reports).
     arrived_at: float = field(default_factory=time.monotonic)
@@ -126,7 +147,7 @@ class Request:
 class Sequence:
     """One completion: its tokens, its pages, its progress through prefill and decode."""
 
-    def __init__(self, request: Request, index: int, leader: "Sequence | None" = None):
+    def __init__(self, request: Request, index: int, leader: Sequence | None = None):
         self.request = request
         self.index = index
         self.seq_id = next(_sequence_ids)  # also the tie-breaker: earlier arrivals first
@@ -141,9 +162,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.preemptions = 0
         self.last_served = 0  # when it was last in a decode batch (the scheduler's counter)
-        self.canvas = None  # a diffusion LM's: runtime.diffusion.canvas.Canvas, made when admitted
-        # Structured output: its runtime.grammar.TokenMatcher, which the sampler consults.
-        self.matcher = request.matchers[index] if request.matchers else None
+        self.mode_state: SequenceModeState | None = None  # its mode's own (a diffusion canvas, once admitted)
+        # Structured output: its grammar's matcher, which the sampler consults.
+        self.matcher: TokenMatcher | None = request.matchers[index] if request.matchers else None
 
     # -- where the sequence stands ------------------------------------------------------
     @property
@@ -183,11 +204,14 @@ class Sequence:
         return (self.request.priority, self.seq_id)
 
     def can_start(self) -> bool:
-        """A sibling starts once its leader's prompt is in the cache (or the leader is gone); a
-        beam, once the search has expanded to its slot."""
-        if self.request.beams is not None:
-            return self.index < self.request.beams.live
-        return self.leader is None or self.leader.state in (SequenceState.DECODE, SequenceState.FINISHED)
+        """Whether its mode lets it be admitted now (a sibling waits for its leader's prompt)."""
+        return self.request.mode_state.can_start(self)
+
+    def append(self, token: int) -> None:
+        """Take a token. Its K/V are computed when it is fed, so K/V written past the token
+        before it (a draft's rejected tail) no longer count."""
+        self.tokens.append(token)
+        self.computed = min(self.computed, len(self.tokens) - 1)
 
     def emit(self, event: Event) -> None:
         self.request.events.put_nowait(event)

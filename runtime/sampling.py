@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 
 from .errors import InvalidRequestError, shown
+
+if TYPE_CHECKING:
+    from .diffusion.params import DiffusionParams
+    from .grammar import Constraint
 
 MAX_LOGPROBS = 20
 # Generous bounds (OpenAI allows 4 stop strings): every stop string is compiled into one
@@ -75,9 +79,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # OpenAI's: token id -> a bias added to its logit before sampling (logprobs stay the model's).
     logit_bias: dict[int, float] | None = None
-    # Structured output (runtime.grammar.Constraint): what the text must match, enforced on
-    # the logits at every step.
-    constraint: Any = None
+    # Structured output: what the text must match, enforced on the logits at every step.
+    constraint: Constraint | None = None
     # Beam search when > 1: this many beams, scored by the model's log-probabilities (the
     # sampling fields do not apply); the best n come back, ranked, with their summed log-probs.
     num_beams: int = 1
@@ -85,9 +88,9 @@ class SamplingParams:
     # Whether the server's speculative decoding may draft for this request (a per-request
     # opt-out; outputs are the same either way, up to the random draws of sampling).
     speculative: bool = True
-    # A diffusion LM's options (runtime.diffusion.params.DiffusionParams): the service fills
-    # in the defaults for a diffusion model and refuses them for an autoregressive one.
-    diffusion: Any = None
+    # A diffusion LM's options: its generation mode fills in the defaults; the autoregressive
+    # modes refuse them.
+    diffusion: DiffusionParams | None = None
 
     def __post_init__(self):
         # OpenAI's `stop` may be one string; None means "not given" for both lists.
@@ -196,31 +199,12 @@ class SamplingParams:
                 _number("logit_bias", bias, low=-100.0, high=100.0)
         _integer("num_beams", self.num_beams, low=1)
         _number("length_penalty", self.length_penalty, low=-10.0, high=10.0)
-        if self.beam_search:
-            self._validate_beam_search()
         if not isinstance(self.speculative, bool):
             raise InvalidRequestError(f"speculative must be a bool, got {shown(self.speculative)}", param="speculative")
         if not isinstance(self.skip_special_tokens, bool):
             raise InvalidRequestError(f"skip_special_tokens must be a bool, got {shown(self.skip_special_tokens)}",
                                       param="skip_special_tokens")
         return self
-
-
-    def _validate_beam_search(self) -> None:
-        """What beam search cannot honour is refused by name rather than ignored."""
-        if self.n > self.num_beams:
-            raise InvalidRequestError(f"n ({self.n}) must not exceed the beam width ({self.num_beams})", param="n")
-        refused = {
-            "stop": bool(self.stop), "logprobs": self.logprobs is not None,
-            "prompt_logprobs": self.prompt_logprobs is not None, "min_tokens": self.min_tokens > 0,
-            "logit_bias": bool(self.logit_bias), "constraint": self.constraint is not None,
-            "repetition_penalty": self.repetition_penalty != 1.0, "presence_penalty": self.presence_penalty != 0.0,
-            "frequency_penalty": self.frequency_penalty != 0.0,
-        }
-        for name, given in refused.items():
-            if given:
-                param = self.constraint.param if name == "constraint" else name
-                raise InvalidRequestError(f"{param} is not available with beam search", param=param)
 
 
 def _integer(name: str, value: Any, low: int | None = None, high: int | None = None) -> None:

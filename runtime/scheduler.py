@@ -7,9 +7,11 @@ sequences keep decoding while it is prefilled. When pages run out the youngest
 sequence is preempted: its pages go back (its full pages stay in the prefix cache)
 and it is recomputed when it is admitted again.
 
-After a step, `postprocess` applies what the step did (tokens written, a token
-sampled) and finishes the sequences that reached EOS or their length; text, and the
-stop strings found in it, are the output processor's.
+After a step, `written` counts the K/V the step wrote (and publishes a prompt's full
+pages); the tokens a step gives each sequence are its generation mode's to read, and
+whether a sequence ends is runtime/finishing.py's to decide: the scheduler then takes it
+out (`finish`). Sequences that decode together (a beam search's) are scheduled as one gang,
+all of them or none.
 """
 
 from __future__ import annotations
@@ -48,17 +50,6 @@ class SchedulerConfig:
         return self.prefill_token_budget if self.has_prefill_position else 0
 
 
-@dataclass(frozen=True)
-class Finish:
-    """How a step ended a sequence: "stop" on an EOS or stop token (the token) or a completed
-    grammar (no token), "length", or "error" where its grammar allows no token to continue
-    (`error` says why; `stop_token` is then the end token the grammar forced, not text)."""
-
-    reason: str
-    stop_token: int | None = None
-    error: str | None = None
-
-
 def _shared_pages(a: list[int], b: list[int], most: int, stride: int) -> int:
     """How many whole pages (up to `most`) two token lists start with in common."""
     pages = 0
@@ -76,9 +67,8 @@ class BaseScheduler:
     """What every scheduler shares: the waiting queue (by priority, then arrival), the
     sequences holding pages, and taking a sequence out wherever it is."""
 
-    def __init__(self, cache: BasePagedAttentionCache, eos_token_ids=()):
+    def __init__(self, cache: BasePagedAttentionCache):
         self.cache = cache
-        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.waiting = WaitingQueue()
         self.running: list[Sequence] = []  # holding pages
         self._running_by_id: dict[int, Sequence] = {}
@@ -121,35 +111,52 @@ class BaseScheduler:
         self.running.remove(seq)
         del self._running_by_id[seq.seq_id]
         if seq.allocation is not None:
-            self.cache.publish_allocated_pages(seq.allocation, seq.tokens[: seq.computed])
+            self.publish(seq)
             self.cache.free_cache_pages(seq.allocation)
             seq.allocation = None
 
+    def publish(self, seq: Sequence) -> None:
+        """Offer seq's full pages of computed tokens to the prefix cache (others may share them)."""
+        if seq.allocation is not None:
+            self.cache.publish_allocated_pages(seq.allocation, seq.tokens[: seq.computed])
+
+    def written(self, batch: Batch) -> None:
+        """A batch has run: its rows' K/V are in the cache (a prompt's full pages published), and
+        a sequence whose prompt is all written decodes from now on."""
+        for seq, chunk in zip(self.sequences_of(batch), batch.tokens):
+            if seq is None:  # finished (aborted) while the batch ran
+                continue
+            seq.computed += len(chunk)
+            if batch.phase is Phase.PREFILL:
+                self.publish(seq)
+            if seq.state is SequenceState.PREFILL and seq.computed >= seq.prefill_target:
+                seq.state = SequenceState.DECODE
+
 
 class Scheduler(BaseScheduler):
-    def __init__(self, config: SchedulerConfig, cache: BasePagedAttentionCache, eos_token_ids=()):
-        super().__init__(cache, eos_token_ids)
+    def __init__(self, config: SchedulerConfig, cache: BasePagedAttentionCache):
+        super().__init__(cache)
         self.config = config
         self.last_phase = Phase.DECODE
 
     # -- the decision -----------------------------------------------------------------
     def schedule(self) -> Batch | None:
         batch = self._schedule_once()
-        while batch is None and self.waiting and self._preempt_a_stalled_beam_search():
+        while batch is None and self.waiting and self._preempt_a_stalled_gang():
             batch = self._schedule_once()
         return batch
 
-    def _preempt_a_stalled_beam_search(self) -> bool:
-        """Nothing can run: searches whose beams step together each hold some beams' pages and
-        wait for pages for the rest. The youngest such search gives its pages back; True if one did."""
-        stalled = [s for s in self.running if s.request.beams is not None
-                   and any(not b.state.holds_pages for b in s.request.sequences[: s.request.beams.live])]
+    def _preempt_a_stalled_gang(self) -> bool:
+        """Nothing can run: gangs (sequences that step together) each hold some members' pages and
+        wait for pages for the rest. The youngest such gang gives its pages back; True if one did."""
+        stalled = [s for s in self.running
+                   if any(not member.state.holds_pages for member in s.request.mode_state.gang(s))]
         if not stalled:
             return False
-        youngest = max(stalled, key=lambda s: (s.request.priority, s.seq_id)).request
-        for beam in youngest.sequences:
-            if beam.state.holds_pages:
-                self.preempt(beam)
+        youngest = max(stalled, key=lambda s: (s.request.priority, s.seq_id))
+        for member in youngest.request.mode_state.gang(youngest):
+            if member.state.holds_pages:
+                self.preempt(member)
         return True
 
     def _schedule_once(self) -> Batch | None:
@@ -246,9 +253,10 @@ class Scheduler(BaseScheduler):
             if len(chosen) == largest:
                 break
             if seq.state is not SequenceState.DECODE or seq in chosen:
-                continue  # preempted to make room for an earlier one, or a beam taken with its group
-            if seq.request.beams is not None:
-                chosen += self._beams_to_decode(seq.request, chosen, largest)
+                continue  # preempted to make room for an earlier one, or taken with its gang
+            gang = seq.request.mode_state.gang(seq)
+            if len(gang) > 1:
+                chosen += self._gang_to_decode(gang, chosen, largest)
             elif self._ensure_pages(seq, exclude=chosen):
                 chosen.append(seq)
         if not chosen:
@@ -284,96 +292,19 @@ class Scheduler(BaseScheduler):
         size = smallest_fitting(self.config.decode_batch_sizes, sum(map(len, chunks)))
         return self._batch(Phase.SPECULATE, size, seqs, batch.starts, chunks, batch.samples, (True,) * len(seqs))
 
-    def _beams_to_decode(self, request, chosen: list[Sequence], largest: int) -> list[Sequence]:
-        """A beam search's live beams, all of them or none: they step together, so they decode
-        only once every one is decoding (a forked beam first prefills its parent's last page)."""
-        beams = request.sequences[: request.beams.live]
-        if any(b.state is not SequenceState.DECODE for b in beams) or len(chosen) + len(beams) > largest:
+    def _gang_to_decode(self, gang: list[Sequence], chosen: list[Sequence], largest: int) -> list[Sequence]:
+        """A gang's sequences, all of them or none: they step together, so they decode only once
+        every one is decoding (a forked beam first prefills its parent's last page)."""
+        if any(s.state is not SequenceState.DECODE for s in gang) or len(chosen) + len(gang) > largest:
             return []
-        if all(self._ensure_pages(b, exclude=chosen + beams) for b in beams):
-            return beams
+        if all(self._ensure_pages(s, exclude=chosen + gang) for s in gang):
+            return gang
         return []
-
-    def apply_beams(self, request, choices) -> None:
-        """A beam search step: each slot continues the beam its choice names with its token.
-        A slot continuing another beam drops its pages and takes that beam's tokens; the
-        parent's full pages, published here, come back to it through the prefix cache."""
-        beams = request.sequences
-        old = [list(b.tokens) for b in beams]
-        for beam in beams:
-            if beam.allocation is not None:
-                self.cache.publish_allocated_pages(beam.allocation, beam.tokens[: beam.computed])
-        for slot, choice in enumerate(choices):
-            beam = beams[slot]
-            if choice.parent == slot:
-                beam.tokens.append(choice.token)
-                continue
-            if beam.state.holds_pages:
-                self._stop_running(beam)
-                self.add(beam)
-            beam.tokens = old[choice.parent] + [choice.token]
-            beam.computed = 0
 
     @staticmethod
     def _batch(phase, size, seqs, starts, chunks, samples, full_logits) -> Batch:
         return Batch(phase, size, tuple(s.seq_id for s in seqs), tuple(starts), tuple(chunks),
                      tuple(tuple(s.allocation.pages) for s in seqs), tuple(samples), tuple(full_logits))
-
-    # -- after a step -----------------------------------------------------------------
-    def postprocess(self, batch: Batch, tokens: list[int | None]) -> list[Finish | None]:
-        """Apply a step: K/V written, pages published, sampled tokens appended, sequences that
-        reached EOS, a stop token or their length finished (pages freed). One Finish per row."""
-        finishes: list[Finish | None] = []
-        for seq, chunk, token in zip(self.sequences_of(batch), batch.tokens, tokens):
-            if seq is None:  # aborted while the batch ran
-                finishes.append(None)
-                continue
-            seq.computed += len(chunk)
-            if batch.phase is Phase.PREFILL:
-                self.cache.publish_allocated_pages(seq.allocation, seq.tokens[: seq.computed])
-            if seq.state is SequenceState.PREFILL and seq.computed >= seq.prefill_target:
-                seq.state = SequenceState.DECODE
-            finish = None
-            if token is not None:
-                seq.tokens.append(token)
-                finish = self._finish_after(seq, token)
-                if finish is not None:
-                    self.finish(seq, finish.reason)
-            finishes.append(finish)
-        return finishes
-
-    def postprocess_speculative(self, batch: Batch, kept: list[list[int]]) -> list[list[Finish | None]]:
-        """Apply a verify call: each row's kept tokens appended in order, up to the first that
-        finishes it. One Finish (or None) per token appended."""
-        finishes: list[list[Finish | None]] = []
-        for seq, tokens in zip(self.sequences_of(batch), kept):
-            row: list[Finish | None] = []
-            for token in tokens if seq is not None else ():
-                seq.tokens.append(token)
-                # The call wrote K/V for the row's last token and every draft token kept after
-                # it: all but the newest token.
-                seq.computed = len(seq.tokens) - 1
-                finish = self._finish_after(seq, token)
-                row.append(finish)
-                if finish is not None:
-                    self.finish(seq, finish.reason)
-                    break
-            finishes.append(row)
-        return finishes
-
-    def _finish_after(self, seq: Sequence, token: int) -> Finish | None:
-        params = seq.params
-        if seq.matcher is not None and seq.matcher.error is not None:
-            # The grammar hit a dead end: the text cannot be completed, so it never says "stop".
-            param = params.constraint.param
-            return Finish("error", token, f"{param}: no output can satisfy it ({seq.matcher.error})")
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            return Finish("stop", token)
-        if seq.matcher is not None and seq.matcher.finished:
-            return Finish("stop")  # the grammar is complete: its last token is part of the text
-        if seq.generated >= params.max_tokens or len(seq.tokens) >= self.config.max_seq_len:
-            return Finish("length")
-        return None
 
     # -- pages ------------------------------------------------------------------------
     def _ensure_pages(self, seq: Sequence, exclude: list[Sequence]) -> bool:
@@ -390,6 +321,15 @@ class Scheduler(BaseScheduler):
             if victim is seq:
                 return False
         return True
+
+    def restart_from(self, seq: Sequence, tokens: list[int]) -> None:
+        """seq continues from other tokens (a beam forked from another): its pages go back and
+        it is recomputed, its prefix found in the cache where another published it."""
+        if seq.state.holds_pages:
+            self._stop_running(seq)
+            self.add(seq)
+        seq.tokens = tokens
+        seq.computed = 0
 
     def preempt(self, seq: Sequence) -> None:
         """Give back seq's pages and queue it to be recomputed from its tokens."""

@@ -20,13 +20,19 @@ from dataclasses import dataclass, field
 import numpy as np
 from tokenizers import Tokenizer
 
+from .batch import Phase
 from .batcher import Batcher
+from .beam_search import BeamSearch
 from .config import sidecar_path
 from .contract import TOKENIZER_CONFIG_FILE, Artifacts
-from .diffusion.checks import check_diffusion_request
+from .decoding import PlainDecoding
+from .diffusion.mode import DiffusionDecoding
+from .diffusion.params import DEFAULT_CANVAS_TOKENS
 from .diffusion.scheduler import DiffusionScheduler, DiffusionSchedulerConfig
 from .errors import InvalidRequestError, ModelLoadError, NotReadyError, QueueFullError
 from .executor import Executor, new_device_thread
+from .finishing import Stopping
+from .generation_mode import GenerationMode
 from .grammar import GrammarCompiler, grammar_engine_installed
 from .kvcache.events import CacheCleared, KvEventLog
 from .kvcache.page_pool import PagePool
@@ -40,6 +46,7 @@ from .sampling import Sampler, SamplingParams, model_generation_defaults
 from .scheduler import Scheduler, SchedulerConfig
 from .service_config import ServiceConfig
 from .speculative import Speculator
+from .speculative.mode import SpeculativeDecoding
 from .speculative.draft_model import DraftModel
 from .speculative.prompt_lookup import PromptLookup
 
@@ -68,9 +75,10 @@ class ServiceStats:
     generated_tokens: int
     preemptions: int
     steps: dict = field(default_factory=dict)
-    # A diffusion LM's passes by kind, and how many passes committed each number of positions.
-    forward_passes: dict = field(default_factory=dict)
-    committed_per_pass: dict = field(default_factory=dict)
+    # A diffusion LM's passes by kind, and how many passes committed each number of positions
+    # (None for an autoregressive model).
+    forward_passes: dict | None = None
+    committed_per_pass: dict | None = None
     # Speculative decoding (None when off): its SpeculationCounters.
     speculation: object = None
     # The host KV tier (zeros when off): its pages, the hits it served, the bytes copied each way.
@@ -110,6 +118,12 @@ class GenerateService:
         # What a request's unset sampling fields become (SamplingParams.from_kwargs' model_defaults):
         # the model's own generation defaults, unless config.sampling_defaults says OpenAI's.
         self.generation_defaults: dict = {}
+        # The most tokens a route that names no length of its own asks for (None: the rest of
+        # the context).
+        self.default_output_cap: int | None = None
+        # What vLLM's GetModelInfo calls the model_type: "llama" for every autoregressive family
+        # (they share its layout here), "diffusion" for a diffusion LM.
+        self.model_type = "llama"
         # APD's autoregressive verifier (config.apd_verifier), its cache and its executor.
         self.verifier: Program | None = None
         self.verifier_cache: PlainPagedAttentionCache | None = None
@@ -126,6 +140,10 @@ class GenerateService:
         # Speculative decoding's draft model (config.speculative with a draft), and its executor.
         self.draft_program: Program | None = None
         self.draft_executor: Executor | None = None
+        # The generation modes' state the stats report: speculative decoding's drafter (with
+        # config.speculative), a diffusion LM's mode.
+        self.speculator: Speculator | None = None
+        self.diffusion: DiffusionDecoding | None = None
 
     # -- lifecycle --------------------------------------------------------------------
     async def start(self) -> "GenerateService":
@@ -199,25 +217,12 @@ class GenerateService:
                                      "(and an export whose prefill takes start positions)")
             cache.events = self.kv_events = KvEventLog()
             self.kv_events.emit(CacheCleared())  # whatever a subscriber knew of an earlier run is gone
-        scheduler = self._diffusion_scheduler(abi, cache) if abi.is_diffusion else Scheduler(
-            SchedulerConfig(
-                prefill_batch_sizes=abi.prefill_batch_sizes,
-                decode_batch_sizes=abi.decode_batch_sizes,
-                block_seq_stride=abi.block_seq_stride,
-                max_seq_len=abi.max_seq_len,
-                chunk_tokens=config.chunk_tokens,
-                prefill_token_budget=config.prefill_token_budget,
-                max_running=config.max_running,
-                has_prefill_position=abi.has_prefill_position,
-            ),
-            cache,
-            self.eos_token_ids,
-        )
         executor = Executor(program, pool.buffer, page_count, self.vocab_size, self._device_thread)
         self.program, self.cache, self.pool = program, cache, pool
-        speculator = self._speculator(abi, scheduler) if config.speculative is not None else None
-        self.batcher = Batcher(scheduler, executor, OutputProcessor(self.tokenizer), Sampler(self.eos_token_ids),
-                               verifier=self.verifier_executor, speculator=speculator, kv_tiers=self.kv_tiers)
+        stopping = Stopping(self.tokenizer, self.eos_token_ids, abi.max_seq_len)
+        scheduler, modes = self._diffusion_modes(abi, cache) if abi.is_diffusion else self._modes(abi, cache, stopping)
+        self.batcher = Batcher(scheduler, executor, modes, stopping, OutputProcessor(self.tokenizer),
+                               kv_tiers=self.kv_tiers)
         log.info(
             "loaded %s: %d KV pages of %d tokens (%.0f MiB) in %.1fs",
             artifacts.vmfb, page_count, abi.block_seq_stride,
@@ -275,6 +280,26 @@ class GenerateService:
             raise ModelLoadError(f"the {label}'s tokenizer differs from the model's: their token ids must agree")
         return len(other)
 
+    def _modes(self, abi, cache, stopping: Stopping) -> tuple[Scheduler, list[GenerationMode]]:
+        """An autoregressive model's scheduler and modes, in the order they are offered a request."""
+        config = self.config
+        scheduler = Scheduler(SchedulerConfig(
+            prefill_batch_sizes=abi.prefill_batch_sizes,
+            decode_batch_sizes=abi.decode_batch_sizes,
+            block_seq_stride=abi.block_seq_stride,
+            max_seq_len=abi.max_seq_len,
+            chunk_tokens=config.chunk_tokens,
+            prefill_token_budget=config.prefill_token_budget,
+            max_running=config.max_running,
+            has_prefill_position=abi.has_prefill_position,
+        ), cache)
+        sampler = Sampler(self.eos_token_ids)
+        modes: list[GenerationMode] = [BeamSearch(scheduler, stopping)]
+        if config.speculative is not None:
+            self.speculator = self._speculator(abi, scheduler)
+            modes.append(SpeculativeDecoding(self.speculator, sampler))
+        return scheduler, modes + [PlainDecoding(sampler)]
+
     def _speculator(self, abi, scheduler: Scheduler) -> Speculator:
         """Speculative decoding's drafter, checked against the target export: drafts are verified
         through its decode, a row per token, so the widest decode needs a row for a draft."""
@@ -307,6 +332,17 @@ class GenerateService:
             self.draft_executor, PlainPagedAttentionCache(pool, own.block_seq_stride), own.prefill_batch_sizes,
             own.decode_batch_sizes, draft_vocab))
 
+    def _diffusion_modes(self, abi, cache) -> tuple[DiffusionScheduler, list[GenerationMode]]:
+        """A diffusion LM's scheduler and its one mode."""
+        scheduler = self._diffusion_scheduler(abi, cache)
+        self.diffusion = DiffusionDecoding(scheduler, abi, self.verifier_executor)
+        # It denoises greedily unless asked (LLaDA's and Fast-dLLM's default), and every pass
+        # computes the whole canvas: without a length asked, LLaDA's, not the rest of the context.
+        self.generation_defaults = {"temperature": 0.0, **self.generation_defaults}
+        self.default_output_cap = DEFAULT_CANVAS_TOKENS
+        self.model_type = "diffusion"
+        return scheduler, [self.diffusion]
+
     def _diffusion_scheduler(self, abi, cache) -> DiffusionScheduler:
         config = DiffusionSchedulerConfig(
             denoise_batch_sizes=abi.denoise_batch_sizes,
@@ -317,7 +353,7 @@ class GenerateService:
             has_denoise_top=abi.has_denoise_top,
         )
         verifier_sizes = self.verifier.capabilities.prefill_batch_sizes if self.verifier is not None else ()
-        return DiffusionScheduler(config, cache, self.eos_token_ids, self.verifier_cache, verifier_sizes)
+        return DiffusionScheduler(config, cache, self.verifier_cache, verifier_sizes)
 
     def _eos_from_tokenizer(self) -> list[int]:
         token_id = self.special_token_id("eos_token")
@@ -367,6 +403,12 @@ class GenerateService:
         """The most tokens (prompt + output) one sequence can hold: the context, or the whole cache if smaller."""
         return min(self.max_seq_len, self.pool.total * self.cache.block_seq_stride)
 
+    def default_max_tokens(self, prompt_len: int) -> int:
+        """max_tokens where a route has no default of its own: the rest of the context, at most
+        default_output_cap."""
+        rest = max(1, self.context_capacity - prompt_len)
+        return min(rest, self.default_output_cap) if self.default_output_cap is not None else rest
+
     def check_ready(self) -> None:
         """NotReadyError unless the service takes requests now."""
         if self.state is ServiceState.READY:
@@ -401,24 +443,13 @@ class GenerateService:
                                       f"(0..{self.vocab_size - 1})", param=param)
         return ids
 
-    @property
-    def is_diffusion(self) -> bool:
-        return self.program is not None and self.program.capabilities.is_diffusion
-
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError for anything the device must never see (cheapest checks first)."""
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         params.validate(self.vocab_size)
-        total = len(prompt_ids) + params.max_tokens
-        if self.is_diffusion:
-            total = len(prompt_ids) + check_diffusion_request(params, self.program.capabilities).canvas_length
-            if params.diffusion.apd and self.verifier is None:
-                raise InvalidRequestError("apd_mixture_weight needs a server started with an APD verifier "
-                                          "(--apd-verifier)", param="apd_mixture_weight")
-        elif params.diffusion is not None:
-            raise InvalidRequestError("diffusion options (steps, block_length, ...) apply only to diffusion models",
-                                      param="steps")
+        footprint = self.batcher.mode_for(params).check(len(prompt_ids), params)
+        total = footprint.tokens
         if len(prompt_ids) >= self.max_seq_len or total > self.max_seq_len:
             # The prompt is at fault when it leaves no room for a single token; max_tokens otherwise.
             raise InvalidRequestError(
@@ -432,33 +463,15 @@ class GenerateService:
         if params.prompt_logprobs is not None and not self.program.capabilities.every_position_logits:
             raise InvalidRequestError("prompt logprobs need every position's logits: this export's prefill "
                                       "returns the last", param="prompt_logprobs")
-        if params.beam_search:
-            self._check_beam_search(params)
-        copies = 2 if params.diffusion is not None and params.diffusion.cfg_scale else params.num_beams
-        pages = self.cache.pages_for(total) * copies
-        if params.diffusion is not None and params.diffusion.apd and \
-                self.verifier_cache.pages_for(total) > self.verifier_cache.page_pool.total:
-            raise InvalidRequestError("the request needs more pages than the APD verifier's cache has",
-                                      param="max_tokens")
+        pages = self.cache.pages_for(total) * footprint.copies
         if pages > self.pool.total:
             raise InvalidRequestError(
                 f"the request needs {pages} KV-cache pages and the cache has {self.pool.total}: "
                 "lower max_tokens or start the server with a larger cache", param="max_tokens",
             )
 
-    def _check_beam_search(self, params: SamplingParams) -> None:
-        """Beams step together, in one decode call: the export and the engine must hold them all."""
-        if self.is_diffusion:
-            raise InvalidRequestError("beam search is for autoregressive models", param="num_beams")
-        widest = min(self.program.capabilities.decode_batch_sizes[-1], self.config.max_running)
-        if params.num_beams > widest:
-            raise InvalidRequestError(f"num_beams must be at most {widest} (the largest decode batch this server "
-                                      "runs)", param="num_beams")
-
     def _check_constraint(self, params: SamplingParams) -> None:
         param = params.constraint.param
-        if self.is_diffusion:
-            raise InvalidRequestError("structured output is not available for diffusion models", param=param)
         if self.grammars is None:
             raise InvalidRequestError("structured output needs the grammar engine: pip install 'kiln[structured]'",
                                       param=param)
@@ -502,8 +515,6 @@ class GenerateService:
         if self.batcher.scheduler.waiting_count >= self.config.max_queue:
             raise QueueFullError(f"the queue is full ({self.config.max_queue} requests waiting): retry later")
         request = Request(list(prompt_ids), params, request_id or uuid.uuid4().hex, priority=priority)
-        if params.diffusion is not None:
-            request.canvas_tokens = params.diffusion.plan(params.max_tokens).canvas_length
         if params.constraint is not None:  # before the batcher can step: each sequence its own matcher
             request.matchers = [self.grammars.matcher(params.constraint) for _ in range(params.n)]
         try:
@@ -546,13 +557,11 @@ class GenerateService:
             prompt_tokens=counters.prompt_tokens,
             generated_tokens=counters.generated_tokens,
             preemptions=scheduler.preemptions,
-            steps={"prefill": counters.prefill_steps, "decode": counters.decode_steps,
-                   "denoise": counters.denoise_steps, "verify": counters.verify_steps,
-                   "speculate": counters.speculate_steps,
+            steps={**{phase.value: counters.steps_by_phase.get(phase.value, 0) for phase in Phase},
                    "failed": counters.failed_batches},
-            forward_passes=dict(counters.forward_passes),
-            committed_per_pass=dict(counters.committed_per_pass),
-            speculation=self.batcher.speculator.counters if self.batcher.speculator is not None else None,
+            forward_passes=dict(self.diffusion.counters.forward_passes) if self.diffusion is not None else None,
+            committed_per_pass=dict(self.diffusion.counters.committed_per_pass) if self.diffusion is not None else None,
+            speculation=self.speculator.counters if self.speculator is not None else None,
             host_pages_total=cache.host_total,
             host_pages_used=cache.host_used,
             host_hit_tokens=cache.host_hit_tokens,

@@ -66,7 +66,7 @@ async def generate(body: GenerateRequest, request: Request):
                                       param="sampling_params")
     else:
         sampling = [sampling] * len(prompts)
-    params = [shortfin_params(sp, service.is_diffusion) for sp in sampling]
+    params = [shortfin_params(sp) for sp in sampling]
     check_n(settings, [p.n for p in params])
     rids = request_ids(body, len(prompts), single)
     generation = await Generation(service, settings, state.metrics, prompts, params, rids).submit()

@@ -16,7 +16,6 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from kiln.runtime.diffusion.params import DEFAULT_CANVAS_TOKENS
 from kiln.runtime.errors import InvalidRequestError, ModelNotFoundError, shown
 from kiln.runtime.request import Completion, Event, Request, TokenLogprob
 from kiln.runtime.sampling import SamplingParams
@@ -54,10 +53,9 @@ def check_limits(settings: ServerSettings, params: SamplingParams) -> None:
 
 
 def rest_of_context(service: GenerateService, prompt: list[int]) -> int:
-    """The default max_tokens where a route has none of its own: what is left of the context
-    (for a diffusion LM, whose every pass computes the whole canvas, LLaDA's default length at most)."""
-    rest = max(1, service.context_capacity - len(prompt))
-    return min(rest, DEFAULT_CANVAS_TOKENS) if service.is_diffusion else rest
+    """The default max_tokens where a route has none of its own (the service's: what is left of
+    the context, or a diffusion LM's default canvas)."""
+    return service.default_max_tokens(len(prompt))
 
 
 @contextlib.contextmanager
@@ -196,7 +194,7 @@ class Generation:
             completion_tokens=self.completion_tokens,
             cached_tokens=sum(r.cached_tokens for r in self.requests),
         )
-        if self.service.is_diffusion:
+        if any(r.canvas_tokens for r in self.requests):  # a diffusion LM's: passes, not steps
             usage.forward_passes = sum(r.forward_passes for r in self.requests)
             usage.canvas_tokens = max((r.canvas_tokens for r in self.requests), default=0)
         return usage

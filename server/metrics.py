@@ -58,7 +58,7 @@ class ServiceCollector(Collector):
         for kind, count in stats.steps.items():
             steps.add_metric([kind], count)
         yield steps
-        if stats.forward_passes or self.service.is_diffusion:
+        if stats.forward_passes is not None:
             yield from diffusion_metrics(stats)
         if stats.speculation is not None:
             yield from speculative_metrics(stats.speculation)

@@ -93,7 +93,6 @@ async def completions(body: CompletionRequest, request: Request):
     echo_only = body.echo and body.max_tokens == 0
     max_tokens = 1 if echo_only else (16 if body.max_tokens is None else body.max_tokens)
     params = openai_params(body, max_tokens, logprobs, prompt_logprobs=logprobs if body.echo else None,
-                           diffusion_model=service.is_diffusion,
                            model_defaults=service.generation_defaults)
     completion_id = f"cmpl-{uuid.uuid4().hex}"
     generation = await Generation(service, settings, state.metrics, prompts, [params] * len(prompts),
@@ -226,8 +225,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
         max_tokens = rest_of_context(service, prompt)
-    params = openai_params(body, max_tokens, logprobs, diffusion_model=service.is_diffusion,
-                           model_defaults=service.generation_defaults)
+    params = openai_params(body, max_tokens, logprobs, model_defaults=service.generation_defaults)
     forced = tools.constraint(parser) if tools is not None else None
     if forced is not None:  # tool_choice required or named: the call's grammar
         if params.constraint is not None:

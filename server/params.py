@@ -30,9 +30,9 @@ def logit_bias(given: dict[str, float] | None) -> dict[int, float] | None:
         raise InvalidRequestError("logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
 
 
-def diffusion_params(body: DiffusionFields, diffusion_model: bool) -> DiffusionParams | None:
-    """The request's diffusion options, aliases resolved; None when it gives none. Given to
-    an autoregressive model they are refused here, naming the field."""
+def diffusion_params(body: DiffusionFields) -> DiffusionParams | None:
+    """The request's diffusion options, aliases resolved; None when it gives none (an
+    autoregressive model's generation modes refuse them, naming the field)."""
     steps = _one_of(body, "steps", "num_denoising_steps")
     threshold = _one_of(body, "threshold", "confidence_threshold")
     if body.parallel_decoding and threshold is None:
@@ -43,13 +43,7 @@ def diffusion_params(body: DiffusionFields, diffusion_model: bool) -> DiffusionP
              "confidence": body.confidence, "threshold": threshold, "cache": body.cache, "cfg_scale": body.cfg_scale,
              **{name: getattr(body, name) for name in APD_FIELDS}}
     given = {name: value for name, value in given.items() if value is not None}
-    if not given:
-        return None
-    if not diffusion_model:
-        first = next(iter(given))
-        raise InvalidRequestError(f"{first} applies only to diffusion models; this server serves an "
-                                  "autoregressive one", param=first)
-    return DiffusionParams(**given)
+    return DiffusionParams(**given) if given else None
 
 
 def _one_of(body: DiffusionFields, name: str, alias: str):
@@ -110,16 +104,13 @@ def only_one(given: list[Constraint]) -> Constraint | None:
 
 
 def openai_params(body: OpenAISampling, max_tokens: int, logprobs: int | None = None,
-                  prompt_logprobs: int | None = None, diffusion_model: bool = False,
-                  model_defaults: dict | None = None) -> SamplingParams:
+                  prompt_logprobs: int | None = None, model_defaults: dict | None = None) -> SamplingParams:
     """`model_defaults` (the service's generation_defaults) fill the sampling fields the request
     leaves unset, before OpenAI's defaults do."""
-    # A diffusion LM denoises greedily unless asked (LLaDA's and Fast-dLLM's default).
-    temperature = body.temperature if body.temperature is not None or not diffusion_model else 0.0
     return SamplingParams.from_kwargs(
         model_defaults=model_defaults,
         max_tokens=max_tokens,
-        temperature=temperature,
+        temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
         min_p=body.min_p,
@@ -138,7 +129,7 @@ def openai_params(body: OpenAISampling, max_tokens: int, logprobs: int | None = 
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         logit_bias=logit_bias(body.logit_bias),
-        diffusion=diffusion_params(body, diffusion_model),
+        diffusion=diffusion_params(body),
         constraint=openai_constraint(body),
     )
 
@@ -162,7 +153,7 @@ def check_logprobs(value: int | None, param: str) -> int | None:
     return value
 
 
-def shortfin_params(sp: ShortfinSamplingParams, diffusion_model: bool = False) -> SamplingParams:
+def shortfin_params(sp: ShortfinSamplingParams) -> SamplingParams:
     beams = sp.num_beams if sp.num_beams is not None else 1
     if sp.use_beam_search and beams < 2:
         raise InvalidRequestError("beam search (use_beam_search) needs num_beams of 2 or more", param="num_beams")
@@ -186,6 +177,6 @@ def shortfin_params(sp: ShortfinSamplingParams, diffusion_model: bool = False) -
         ignore_eos=sp.ignore_eos,
         skip_special_tokens=sp.skip_special_tokens,
         speculative=sp.speculative,
-        diffusion=diffusion_params(sp, diffusion_model),
+        diffusion=diffusion_params(sp),
         constraint=shortfin_constraint(sp),
     )

@@ -47,8 +47,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     with own_names():
         prompt = await chat_prompt(service, chat, settings, tools=None)
         max_tokens = body.max_output_tokens if body.max_output_tokens is not None else rest_of_context(service, prompt)
-        params = openai_params(chat, max_tokens, diffusion_model=service.is_diffusion,
-                               model_defaults=service.generation_defaults)
+        params = openai_params(chat, max_tokens, model_defaults=service.generation_defaults)
         params.constraint = format_constraint(text_format.type, text_format.json_schema, "text.format")
         view = ResponseView(body, text_format, body.model or settings.model_name, params)
         generation = await Generation(service, settings, state.metrics, [prompt], [params], [view.id]).submit()

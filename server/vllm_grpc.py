@@ -175,7 +175,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             model_path=str(service.artifacts.config.parent), is_generation=True,
             max_context_length=service.max_seq_len, vocab_size=service.vocab_size,
             served_model_name=self.settings.model_name, tokenizer_path=str(service.artifacts.tokenizer_path),
-            model_type="diffusion" if service.is_diffusion else "llama", eos_token_ids=service.eos_token_ids,
+            model_type=service.model_type, eos_token_ids=service.eos_token_ids,
             pad_token_id=_or_none(service.special_token_id("pad_token")),
             bos_token_id=_or_none(service.special_token_id("bos_token")),
             max_req_input_len=service.max_seq_len - 1)

@@ -97,8 +97,7 @@ class Session:
         if max_tokens is None:
             max_tokens = rest_of_context(service, prompt) if message.messages is not None else 16
         logprobs = check_logprobs(message.logprobs, "logprobs")
-        params = openai_params(message, max_tokens, logprobs, diffusion_model=service.is_diffusion,
-                               model_defaults=service.generation_defaults)
+        params = openai_params(message, max_tokens, logprobs, model_defaults=service.generation_defaults)
         generation = Generation(service, settings, self.state.metrics, [prompt], [params],
                                 [f"ws-{uuid.uuid4().hex}"], message.priority)
         return await generation.submit(), logprobs

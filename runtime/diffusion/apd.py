@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..request import SequenceModeState
 from .canvas import Window
 
 
-class ApdCanvas:
+class ApdCanvas(SequenceModeState):
     def __init__(self, prompt_ids, length: int, mask_token_id: int, logits_shift: int, temperature: float,
                  rng: np.random.Generator, mixture_weight: float, kv_window: int | None, max_lookahead: int | None):
         self.mask = mask_token_id

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..request import SequenceModeState
 from .commit import choose, confidence, predict, summary_scores, transfer_schedule
 from .params import DiffusionPlan
 
@@ -38,7 +39,7 @@ class Window:
         return len(self.tokens)
 
 
-class Canvas:
+class Canvas(SequenceModeState):
     def __init__(self, prompt_ids, plan: DiffusionPlan, mask_token_id: int, logits_shift: int,
                  temperature: float, rng: np.random.Generator):
         self.plan = plan

@@ -8,7 +8,7 @@ accepted by the server as aliases of these.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from ..errors import InvalidRequestError
 
@@ -34,6 +34,10 @@ class DiffusionParams:
     apd_mixture_weight: float | None = None
     apd_kv_window: int | None = None
     apd_max_lookahead: int | None = None
+
+    def first_given(self) -> str:
+        """The first option set away from its default: the field a refusal of them names."""
+        return next((f.name for f in fields(self) if getattr(self, f.name) != f.default), "steps")
 
     @property
     def apd(self) -> bool:

@@ -19,7 +19,7 @@ import numpy as np
 from ..batch import Batch, Phase
 from ..kvcache.base import BasePagedAttentionCache
 from ..request import Sequence, SequenceState
-from ..scheduler import BaseScheduler, Finish, smallest_fitting
+from ..scheduler import BaseScheduler, smallest_fitting
 from .apd import ApdCanvas
 from .canvas import Canvas, Window
 
@@ -36,18 +36,19 @@ class DiffusionSchedulerConfig:
 
 @dataclass(frozen=True)
 class DenoiseUpdate:
-    """What one pass gave a sequence: tokens newly committed without a gap, and maybe its end."""
+    """What one pass gave a sequence: tokens newly committed without a gap, and whether its
+    canvas is now all committed."""
 
     seq: Sequence
     tokens: list[int]
-    finish: Finish | None
+    canvas_done: bool
 
 
 class DiffusionScheduler(BaseScheduler):
-    def __init__(self, config: DiffusionSchedulerConfig, cache: BasePagedAttentionCache, eos_token_ids=(),
+    def __init__(self, config: DiffusionSchedulerConfig, cache: BasePagedAttentionCache,
                  verifier_cache: BasePagedAttentionCache | None = None, verifier_batch_sizes: tuple[int, ...] = ()):
         """`verifier_cache`, with APD: the pages of the autoregressive verifier's own cache."""
-        super().__init__(cache, eos_token_ids)
+        super().__init__(cache)
         self.config = config
         self.verifier_cache = verifier_cache
         self.verifier_batch_sizes = verifier_batch_sizes
@@ -61,14 +62,14 @@ class DiffusionScheduler(BaseScheduler):
 
     # -- the decision -----------------------------------------------------------------
     def schedule(self) -> Batch | None:
-        drafted = [s for s in self.running if s.canvas.awaiting_verifier]
+        drafted = [s for s in self.running if s.mode_state.awaiting_verifier]
         if drafted:  # APD drafts are verified before anything else runs
             return self._verify_batch(drafted)
         self._admit()
         if not self.running:
             return None
         order = sorted(self.running, key=lambda s: (s.request.priority, s.last_served, s.seq_id))
-        windows = {seq.seq_id: seq.canvas.window() for seq in order}
+        windows = {seq.seq_id: seq.mode_state.window() for seq in order}
         group = self._group_key(windows[order[0].seq_id])
         capacity = self.config.denoise_batch_sizes[-1]
         chosen: list[Sequence] = []
@@ -92,13 +93,13 @@ class DiffusionScheduler(BaseScheduler):
                 tables.append(tuple(allocation.pages))
                 visible.append(window.visible)
         size = smallest_fitting(self.config.denoise_batch_sizes, len(seq_ids))
-        logits = not self.config.has_denoise_top or any(seq.canvas.needs_logits for seq in chosen)
+        logits = not self.config.has_denoise_top or any(seq.mode_state.needs_logits for seq in chosen)
         return Batch(Phase.DENOISE, size, tuple(seq_ids), tuple(starts), tuple(tokens), tuple(tables),
                      (True,) * len(seq_ids), (logits,) * len(seq_ids), tuple(visible))
 
     def _verify_batch(self, drafted: list[Sequence]) -> Batch:
         drafted = sorted(drafted, key=lambda s: (s.request.priority, s.seq_id))[: self.verifier_batch_sizes[-1]]
-        windows = [seq.canvas.verifier_window() for seq in drafted]
+        windows = [seq.mode_state.verifier_window() for seq in drafted]
         size = smallest_fitting(self.verifier_batch_sizes, len(drafted))
         return Batch(Phase.VERIFY, size, tuple(s.seq_id for s in drafted), tuple(w.start for w in windows),
                      tuple(tuple(int(t) for t in w.tokens) for w in windows),
@@ -130,8 +131,8 @@ class DiffusionScheduler(BaseScheduler):
                 (self._verifier_pages if plan.params.apd else self._guidance_pages)[seq.seq_id] = second
             self.waiting.pop()
             seq.allocation = main
-            if seq.canvas is None:
-                seq.canvas = self._canvas(seq, plan)
+            if seq.mode_state is None:
+                seq.mode_state = self._canvas(seq, plan)
             self._start_running(seq, SequenceState.DENOISE)
             seq.request.mark_scheduled()
 
@@ -144,9 +145,12 @@ class DiffusionScheduler(BaseScheduler):
         return Canvas(seq.prompt_ids, plan, config.mask_token_id, config.logits_shift, seq.params.temperature, seq.rng)
 
     # -- after a step -----------------------------------------------------------------
-    def postprocess(self, batch: Batch, logits: list[np.ndarray]) -> list[DenoiseUpdate]:
-        """Commit each sequence's pass; append what is committed without a gap (cut at a stop
-        token) to its tokens, and finish it there or once its canvas is full."""
+    def written(self, batch: Batch) -> None:
+        """Nothing to count: a canvas's K/V are rewritten by every pass, and never published."""
+
+    def commit(self, batch: Batch, logits: list[np.ndarray]) -> list[DenoiseUpdate]:
+        """Commit each sequence's pass; what it committed after its tokens without a gap is
+        what it takes (runtime/finishing.py decides where it ends)."""
         rows: dict[int, list[np.ndarray]] = {}
         for seq_id, row_logits in zip(batch.seq_ids, logits):
             rows.setdefault(seq_id, []).append(row_logits)
@@ -156,7 +160,7 @@ class DiffusionScheduler(BaseScheduler):
             seq = self._running_by_id.get(seq_id)
             if seq is None:  # aborted while the batch ran
                 continue
-            canvas = seq.canvas
+            canvas = seq.mode_state
             if batch.phase is Phase.VERIFY:
                 canvas.accept(conditional)
             else:
@@ -165,21 +169,8 @@ class DiffusionScheduler(BaseScheduler):
                 if canvas.awaiting_verifier:
                     continue  # an APD draft: the verifier's pass decides what is committed
             new = canvas.tokens[seq.prompt_len + seq.generated : seq.prompt_len + canvas.committed_prefix()].tolist()
-            finish = None
-            for index, token in enumerate(new):
-                if self._stops(seq, token):
-                    new, finish = new[: index + 1], Finish("stop", token)
-                    break
-            if finish is None and canvas.done:
-                finish = Finish("length")
-            seq.tokens.extend(new)
-            if finish is not None:
-                self.finish(seq, finish.reason)
-            updates.append(DenoiseUpdate(seq, new, finish))
+            updates.append(DenoiseUpdate(seq, new, canvas.done))
         return updates
-
-    def _stops(self, seq: Sequence, token: int) -> bool:
-        return (token in self.eos_token_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids
 
     def _stop_running(self, seq: Sequence) -> None:
         twin = self._guidance_pages.pop(seq.seq_id, None)

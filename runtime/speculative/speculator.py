@@ -1,9 +1,10 @@
 """The speculator: between the scheduler's decision and the device call, drafts for a
 decode batch's rows; after the call, which of them each row keeps.
 
-It applies where it can pay: a decode batch no wider than `max_rows`, rows with no grammar to
-follow and no opt-out. The verify call is a decode with a row per token (runtime/invocation.py),
-so the drafts share the widest decode's rows. A row without a draft still rides along in the
+It applies where it can pay: a decode batch no wider than `max_rows`, rows of requests that
+speculative decoding runs (mode.py: no grammar to follow, no beams, no opt-out). The verify
+call is a decode with a row per token (runtime/invocation.py), so the drafts share the widest
+decode's rows. A row without a draft still rides along in the
 verify call, feeding its one token; a batch in which no row has a draft stays a plain decode call.
 """
 
@@ -20,6 +21,8 @@ from ..sampling import SampleResult, Sampler
 from .acceptance import accept
 from .draft_model import Draft, DraftModel
 from .prompt_lookup import PromptLookup
+
+SPECULATIVE = "speculative"  # the mode's name (mode.py), which the requests it runs carry
 
 log = logging.getLogger("kiln.speculative")
 
@@ -62,7 +65,7 @@ class Speculator:
         if batch.phase is not Phase.DECODE or batch.rows > self.max_rows:
             return batch
         seqs = self.scheduler.sequences_of(batch)
-        eligible = [seq for seq in seqs if seq is not None and _speculates(seq)]
+        eligible = [seq for seq in seqs if seq is not None and seq.request.mode == SPECULATIVE]
         if not eligible:
             return batch
         drafts = await self._propose(eligible)
@@ -78,17 +81,16 @@ class Speculator:
                 self._probs[seq_id] = draft.probs[: len(chunk) - 1]
         return verify
 
-    def verify(self, batch: Batch, seqs: list, logits: list[np.ndarray | None], sampler: Sampler) \
-            -> list[list[SampleResult]]:
-        """What each row keeps from a SPECULATE batch (an empty list for a row gone meanwhile)."""
+    def verify(self, batch: Batch, rows: list[int], seqs: list, logits: list[np.ndarray | None],
+               sampler: Sampler) -> list[list[SampleResult]]:
+        """What each of `rows` keeps from a SPECULATE batch: its kept draft tokens and one of the
+        model's own."""
         counters = self.counters
         counters.steps += 1
         kept = []
-        for seq, chunk, row_logits in zip(seqs, batch.tokens, logits):
-            if seq is None or row_logits is None:
-                kept.append([])
-                continue
-            draft = list(chunk[1:])
+        for i in rows:
+            seq, row_logits = seqs[i], logits[i]
+            draft = list(batch.tokens[i][1:])
             results = accept(sampler, seq, row_logits, draft, self._probs.get(seq.seq_id))
             if draft:
                 counters.drafts += 1
@@ -113,12 +115,6 @@ class Speculator:
                 self.draft_model.release_all()
                 return [Draft([], None) for _ in seqs]
         return [_within_vocabulary(draft, self.vocab_size) for draft in drafts]
-
-
-def _speculates(seq) -> bool:
-    # A grammar's matcher follows one token at a time; drafting past it would need rollback.
-    # Beams are chosen among one another each step, not token by token on their own.
-    return seq.params.speculative and seq.matcher is None and seq.request.beams is None
 
 
 def _within_vocabulary(draft: Draft, vocab_size: int) -> Draft:

@@ -195,3 +195,31 @@ def test_beam_searches_that_cannot_all_fit_take_turns(fake_model_dir):
         await service.stop()
 
     run(scenario())
+
+
+def test_beams_ride_along_in_speculative_decodings_verify_calls(fake_model_dir, tmp_path):
+    """With speculative decoding on, a decode batch that holds a search's beams and drafted rows
+    becomes a verify call: each row is read by its own request's mode, so the beams are still
+    chosen among one another and the drafted rows still give plain decoding's tokens."""
+    from kiln.runtime import SpeculativeConfig
+    from tests.fake_program import expected_greedy, write_fake_artifacts
+
+    wide = write_fake_artifacts(tmp_path / "wide", (fake_model_dir / "tokenizer.json").read_text(),
+                                decode_sizes=(1, 4, 16), pages=256)
+    # The model itself as the draft: a draft every step, all of it right.
+    drafting = SpeculativeConfig("draft_model", 3, Artifacts.in_directory(fake_model_dir), disable_by_batch_size=0)
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = [[4 + (i * 7 + s) % 300 for i in range(6 + s)] for s in range(2)]
+    beam_prompt = [4 + (i * 13) % 300 for i in range(9)]
+
+    async def scenario():
+        service = await started(wide.config.parent, speculative=drafting)
+        outs = await asyncio.gather(results(service, beam_prompt, BEAMS), *(results(service, p, greedy) for p in prompts))
+        want = reference_beams(beam_prompt, BEAMS.num_beams, BEAMS.max_tokens)[: BEAMS.n]
+        assert [o["ids"] for o in outs[0]] == [tokens for tokens, _ in want]
+        assert [o[0]["ids"] for o in outs[1:]] == [expected_greedy(p, greedy.max_tokens) for p in prompts]
+        assert service.stats().speculation.steps > 0
+        assert_idle(service)
+        await service.stop()
+
+    run(scenario())

@@ -9,13 +9,16 @@ import pytest
 from kiln.runtime.batch import Phase
 from kiln.runtime.diffusion.canvas import Canvas
 from kiln.runtime.diffusion.commit import choose, confidence, predict, transfer_schedule
+from kiln.runtime.diffusion.mode import DiffusionDecoding
 from kiln.runtime.diffusion.params import DiffusionParams
 from kiln.runtime.diffusion.scheduler import DiffusionScheduler, DiffusionSchedulerConfig
 from kiln.runtime.errors import InvalidRequestError
+from kiln.runtime.finishing import Finish, Stopping
 from kiln.runtime.kvcache.page_pool import PagePool
 from kiln.runtime.kvcache.plain_cache import PlainPagedAttentionCache
 from kiln.runtime.request import Request, Sequence, SequenceState
 from kiln.runtime.sampling import SamplingParams
+from tests.tiny_model import make_tiny_tokenizer
 
 MASK, VOCAB = 4, 12
 
@@ -128,7 +131,7 @@ def scheduler(pages=40, sizes=(1, 4), max_running=8, has_denoise_top=False):
     cache = PlainPagedAttentionCache(pool, 4)
     config = DiffusionSchedulerConfig(denoise_batch_sizes=sizes, block_seq_stride=4, max_running=max_running,
                                       mask_token_id=MASK, logits_shift=0, has_denoise_top=has_denoise_top)
-    return DiffusionScheduler(config, cache, eos_token_ids=[1]), cache
+    return DiffusionScheduler(config, cache), cache
 
 
 def sequence(prompt, priority=0, temperature=0.0, **diffusion) -> Sequence:
@@ -148,15 +151,15 @@ def test_whole_sequence_rows_share_a_call_and_cached_blocks_group_by_width():
     batch = sched.schedule()
     assert batch.phase is Phase.DENOISE and set(batch.seq_ids) == {a.seq_id, b.seq_id, c.seq_id}
     assert batch.batch_size == 4 and batch.visible == (13, 15, 13)
-    sched.postprocess(batch, [fake_logits(np.array(t), {}) for t in batch.tokens])
-    assert c.canvas.pass_kind == "dual"
+    sched.commit(batch, [fake_logits(np.array(t), {}) for t in batch.tokens])
+    assert c.mode_state.pass_kind == "dual"
     cache.check_integrity()
     # c's dual window (width 4) cannot be padded beside the others: it runs in a call of its own.
     seen = []
     for _ in range(2):
         batch = sched.schedule()
         seen.append((batch.seq_ids, batch.visible))
-        sched.postprocess(batch, [fake_logits(np.array(t), {}) for t in batch.tokens])
+        sched.commit(batch, [fake_logits(np.array(t), {}) for t in batch.tokens])
     assert ((c.seq_id,), (13,)) in seen
 
 
@@ -181,8 +184,16 @@ def test_a_stop_token_in_the_committed_prefix_finishes_there():
     seq = sequence([7, 7], block_length=8, threshold=0.0)
     sched.add(seq)
     batch = sched.schedule()
-    [update] = sched.postprocess(batch, [fake_logits(np.array(batch.tokens[0]), {4: 1})])  # EOS at position 4
-    assert update.tokens == [5, 5, 1] and update.finish.reason == "stop" and update.finish.stop_token == 1
+    stopping = Stopping(make_tiny_tokenizer(), eos_token_ids=[1])
+    stopping.add(seq.request)
+    [advance] = DiffusionDecoding(sched, capabilities=None).update(batch, [0], sched.sequences_of(batch),
+                                                [fake_logits(np.array(batch.tokens[0]), {4: 1})])  # EOS at position 4
+    for sample in advance.samples:  # as the batcher takes them: up to the first that ends it
+        finish = stopping.take(seq, sample.token_id, counts_max_tokens=False).finish
+        if finish is not None:
+            break
+    assert seq.output_ids == [5, 5, 1] and finish == Finish("stop", stop_token=1)
+    sched.finish(seq, "stop")
     assert seq.state is SequenceState.FINISHED and cache.stats().active == 0
 
 
@@ -194,8 +205,8 @@ def test_greedy_batches_read_summaries_and_sampled_ones_read_logits():
     assert batch.full_logits == (False,)  # denoise_top: four numbers a position
     summary = np.zeros((len(batch.tokens[0]), 4), np.float32)
     summary[:, 0], summary[:, 1] = 6, np.linspace(0.9, 0.1, len(summary))
-    sched.postprocess(batch, [summary])
-    assert greedy.canvas.tokens[5] == 6 and greedy.canvas.forward_passes == 1
+    sched.commit(batch, [summary])
+    assert greedy.mode_state.tokens[5] == 6 and greedy.mode_state.forward_passes == 1
     sampled = sequence([7] * 5, temperature=0.7)
     sched.add(sampled)
     batch = sched.schedule()

@@ -100,22 +100,23 @@ def test_a_choice_of_fifty_thousand_strings_is_one_lexeme_and_each_sequence_copi
 
 def test_a_dead_end_is_an_error_naming_the_field_never_a_stop(compiler, tokenizer):
     """A grammar that lets no token begin is refused at once; one that dead-ends later finishes
-    with "error", not "stop" (the scheduler's finish, on a matcher driven into its dead end)."""
+    with "error", not "stop" (where a sequence ends, on a matcher driven into its dead end)."""
+    from kiln.runtime.finishing import Stopping
     from kiln.runtime.request import Request, Sequence
-    from kiln.runtime.scheduler import Scheduler, SchedulerConfig
 
     with pytest.raises(InvalidRequestError) as refused:
         compiler.compile(Constraint.of("json", {"$ref": "#"}, "response_format"))
     assert refused.value.param == "response_format" and "no finite JSON value" in refused.value.message
     constraint = Constraint.of("regex", "ab", "guided_regex")
     params = SamplingParams(max_tokens=8, constraint=constraint)
-    seq = Sequence(Request([5], params, "r", matchers=[compiler.matcher(constraint)]), 0)
+    request = Request([5], params, "r", matchers=[compiler.matcher(constraint)])
+    seq = Sequence(request, 0)
+    request.sequences.append(seq)
     seq.matcher.accept(tokenizer.token_to_id("b"))  # not what the grammar allows: it is now in error
     assert seq.matcher.error is not None and len(seq.matcher.error) <= 300
-    seq.tokens.append(EOS_ID)  # all the mask allows a matcher in error
-    config = SchedulerConfig(prefill_batch_sizes=(1,), decode_batch_sizes=(1,), block_seq_stride=16, max_seq_len=64,
-                             chunk_tokens=16, prefill_token_budget=0, max_running=1, has_prefill_position=True)
-    finish = Scheduler(config, cache=None, eos_token_ids=[EOS_ID])._finish_after(seq, EOS_ID)
+    stopping = Stopping(tokenizer, eos_token_ids=[EOS_ID], max_seq_len=64)
+    stopping.add(request)
+    finish = stopping.take(seq, EOS_ID).finish  # all the mask allows a matcher in error
     assert finish.reason == "error" and finish.error.startswith("guided_regex: ")
 
 

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from kiln.runtime.finishing import Finish, Stopping
 from kiln.runtime.kvcache.page_pool import PagePool
 from kiln.runtime.kvcache.plain_cache import PlainPagedAttentionCache
 from kiln.runtime.kvcache.trie_cache import TriePagedAttentionCache
 from kiln.runtime.batch import Phase
 from kiln.runtime.request import Request, Sequence, SequenceState
 from kiln.runtime.sampling import SamplingParams
-from kiln.runtime.scheduler import Finish, Scheduler, SchedulerConfig
+from kiln.runtime.scheduler import Scheduler, SchedulerConfig
+from tests.tiny_model import make_tiny_tokenizer
+
+EOS = 2
+# Where a sequence ends, as the batcher asks it of every token a step gives.
+STOPPING = Stopping(make_tiny_tokenizer(), eos_token_ids=(EOS,), max_seq_len=256)
 
 
 def config(prefill=(1, 4), decode=(1, 4), chunk=32, budget=0, has_prefill_position=True):
@@ -16,22 +22,34 @@ def config(prefill=(1, 4), decode=(1, 4), chunk=32, budget=0, has_prefill_positi
                            prefill_token_budget=budget, max_running=32, has_prefill_position=has_prefill_position)
 
 
-def make(pages=64, chunk=32, trie=False, prefill=(1, 4), decode=(1, 4), eos=()):
+def make(pages=64, chunk=32, trie=False, prefill=(1, 4), decode=(1, 4)):
     pool = PagePool(pages)
     cache = (TriePagedAttentionCache if trie else PlainPagedAttentionCache)(pool, 4)
-    return Scheduler(config(prefill, decode, chunk), cache, eos), cache
+    return Scheduler(config(prefill, decode, chunk), cache), cache
 
 
 def seq(length, priority=0, name="r"):
     request = Request(list(range(10, 10 + length)), SamplingParams(max_tokens=50), name, priority=priority)
     sequence = Sequence(request, 0)
     request.sequences.append(sequence)
+    STOPPING.add(request)
     return sequence
 
 
 def complete(scheduler, batch, token=7):
-    """A step's results as the batcher hands them over: `token` sampled on every sampling row."""
-    return scheduler.postprocess(batch, [token if samples else None for samples in batch.samples])
+    """A step's results applied as the batcher applies them: the K/V counted, then `token` (an
+    int, or one per row) taken by every sampling row, which ends where Stopping says. One
+    Finish (or None) per row."""
+    tokens = [token] * batch.rows if isinstance(token, int) else token
+    seqs = scheduler.sequences_of(batch)
+    scheduler.written(batch)
+    finishes = []
+    for seq, samples, row_token in zip(seqs, batch.samples, tokens):
+        finish = STOPPING.take(seq, row_token).finish if seq is not None and samples else None
+        if finish is not None:
+            scheduler.finish(seq, finish.reason)
+        finishes.append(finish)
+    return finishes
 
 
 def names(scheduler, batch):
@@ -150,6 +168,7 @@ def test_a_sibling_waits_for_its_leader_and_reuses_its_pages():
     leader = Sequence(request, 0)
     sibling = Sequence(request, 1, leader=leader)
     request.sequences += [leader, sibling]
+    STOPPING.add(request)
     scheduler.add(leader)
     scheduler.add(sibling)
     batch = scheduler.schedule()
@@ -220,8 +239,8 @@ def test_states_move_waiting_prefill_decode_finished():
     cache.check_integrity()
 
 
-def test_postprocess_finishes_on_eos_stop_tokens_and_length_and_frees_pages():
-    scheduler, cache = make(eos=(2,))
+def test_eos_stop_tokens_and_length_finish_and_free_pages():
+    scheduler, cache = make()
     eos, stop_token, length, ignoring = seq(5, name="eos"), seq(5, name="stop"), seq(5, name="length"), seq(5, name="x")
     stop_token.request.params.stop_token_ids = [9]
     length.request.params.max_tokens = 2
@@ -230,14 +249,14 @@ def test_postprocess_finishes_on_eos_stop_tokens_and_length_and_frees_pages():
         scheduler.add(s)
     batch = scheduler.schedule()
     assert batch.rows == 4
-    finishes = scheduler.postprocess(batch, [2, 9, 5, 2])
+    finishes = complete(scheduler, batch, [EOS, 9, 5, EOS])
     assert finishes == [Finish("stop", 2), Finish("stop", 9), None, None]
     assert [s.state for s in (eos, stop_token, length, ignoring)] == [
         SequenceState.FINISHED, SequenceState.FINISHED, SequenceState.DECODE, SequenceState.DECODE]
     assert eos.tokens[-1] == 2  # appended, then finished
     batch = scheduler.schedule()
     assert names(scheduler, batch) == ["length", "x"]
-    assert scheduler.postprocess(batch, [4, 4]) == [Finish("length"), None]
+    assert complete(scheduler, batch, [4, 4]) == [Finish("length"), None]
     assert length.state is SequenceState.FINISHED and len(length.output_ids) == 2
     assert len(scheduler.running) == 1
     scheduler.finish(ignoring, "abort")
@@ -253,7 +272,7 @@ def test_rows_aborted_while_their_batch_ran_are_skipped():
     batch = scheduler.schedule()
     scheduler.finish(a, "abort")
     assert scheduler.sequences_of(batch) == [None, b]
-    assert scheduler.postprocess(batch, [3, 3]) == [None, None]
+    assert complete(scheduler, batch, [3, 3]) == [None, None]
     assert a.tokens == list(range(10, 15)) and b.tokens[-1] == 3
     cache.check_integrity()
 

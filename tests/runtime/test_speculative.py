@@ -200,7 +200,7 @@ def test_by_default_only_a_lone_decoding_sequence_is_drafted_for(fake_model_dir)
         service = await started(fake_model_dir, SpeculativeConfig("ngram", num_tokens=5))
         outs = await asyncio.gather(*(tokens_of(service, p, GREEDY) for p in PROMPTS[:4]))
         assert [o[0] for o in outs] == [expected_greedy(p, GREEDY.max_tokens) for p in PROMPTS[:4]]
-        assert service.batcher.speculator.max_rows == 1
+        assert service.speculator.max_rows == 1
         calls = service.program.calls
         assert calls.count("decode_bs4") > 0  # the four decoded together, undrafted
         await tokens_of(service, PROMPTS[0], GREEDY)
@@ -241,7 +241,7 @@ def test_a_draft_model_that_is_sometimes_wrong_changes_nothing_and_leaks_nothing
         assert_idle(service)
         # Finished sequences' draft pages go back at the next round.
         await tokens_of(service, [9, 9, 9], GREEDY)
-        drafter = service.batcher.speculator.draft_model
+        drafter = service.speculator.draft_model
         drafter.cache.check_integrity()
         assert drafter.cache.stats().active <= drafter.cache.pages_for(3 + GREEDY.max_tokens + 3)
         await service.stop()

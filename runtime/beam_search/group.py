@@ -1,4 +1,4 @@
-"""Beam search: one request's beams, the hypotheses they ended, and the choice made each step.
+"""One beam search's state: its beams, the hypotheses they ended, and the choice made each step.
 
 Kept apart from the scheduler so the rule is plain data in and out: every live beam's
 log-probabilities for its next token go in once all of them have them (beams step together),
@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from ..request import RequestState, Sequence
 
 
 @dataclass
@@ -39,7 +41,10 @@ class Choice:
 
 
 @dataclass
-class BeamGroup:
+class BeamGroup(RequestState):
+    """A request's beams: sequence i is beam slot i. Its live beams are admitted as the search
+    expands to them and decode together, in one step."""
+
     width: int
     length_penalty: float
     live: int = 1  # beam slots in use: 1 until the prompt's logits are first expanded
@@ -50,6 +55,12 @@ class BeamGroup:
 
     def __post_init__(self):
         self.logprobs = [0.0]
+
+    def can_start(self, seq: Sequence) -> bool:
+        return seq.index < self.live
+
+    def gang(self, seq: Sequence) -> list[Sequence]:
+        return seq.request.sequences[: self.live]
 
     def score(self, logprob: float, length: int) -> float:
         return logprob / max(1, length) ** self.length_penalty

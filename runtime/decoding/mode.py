@@ -1,0 +1,39 @@
+"""Plain decoding as a generation mode: each row that samples (a completed prompt, a decode
+row) takes one token from its last position's logits, through the sampler (penalties,
+grammars, logprobs)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..batch import Batch
+from ..errors import InvalidRequestError
+from ..generation_mode import Advance, Footprint, GenerationMode, StepOutcome, last_position
+from ..request import Sequence
+from ..sampling import Sampler, SamplingParams
+
+
+def autoregressive_footprint(prompt_len: int, params: SamplingParams) -> Footprint:
+    """One token a step, up to max_tokens, in one set of pages; a diffusion LM's options refused."""
+    if params.diffusion is not None:
+        first = params.diffusion.first_given()
+        raise InvalidRequestError(f"{first} applies only to diffusion models; this server serves an "
+                                  "autoregressive one", param=first)
+    return Footprint(prompt_len + params.max_tokens)
+
+
+class PlainDecoding(GenerationMode):
+    name = "decoding"
+
+    def __init__(self, sampler: Sampler):
+        self.sampler = sampler
+
+    def check(self, prompt_len: int, params: SamplingParams) -> Footprint:
+        return autoregressive_footprint(prompt_len, params)
+
+    def update(self, batch: Batch, rows: list[int], seqs: list[Sequence | None],
+               logits: list[np.ndarray | None]) -> list[StepOutcome]:
+        sampling = [i for i in rows if batch.samples[i]]
+        samples = self.sampler.sample_rows([last_position(logits[i]) for i in sampling],
+                                           [seqs[i] for i in sampling])
+        return [Advance(seqs[i], [sample]) for i, sample in zip(sampling, samples)]
