@@ -140,7 +140,7 @@ def llamacpp_figures(artifacts: Path, repeats: int) -> list[dict]:
 
     import httpx
 
-    from benchmarks.peers import llamacpp, weights
+    from benchmarks.peers import llamacpp
     from benchmarks.peers.common import free_port
     from kiln.runtime import LLM
 
@@ -152,7 +152,7 @@ def llamacpp_figures(artifacts: Path, repeats: int) -> list[dict]:
     if not llamacpp.binary("llama-server").exists():
         llamacpp.TARGETS[:] = ["llama-server"]  # only the server is needed here
         llamacpp._build_binaries()
-    model = weights.gguf("f32")
+    model = llamacpp.gguf("f32")
     rows, plain = [], {}
     for label, extra in LLAMACPP_CONFIGS.items():
         port = free_port()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -161,3 +162,16 @@ def run(base_url: str, workload: loadgen.Workload, rate: float | None = None, co
                                f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
         report = json.loads(out.read_text())
     return metrics_from_report(report, workload=workload.kind, rate=rate, concurrency=concurrency)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """loadgen's command line, the load driven by guidellm (OpenAI targets only)."""
+    args = loadgen.arguments("python -m benchmarks.guidellm_runner", __doc__.split("\n\n")[0]).parse_args(argv)
+    if args.backend != "openai":
+        raise SystemExit("guidellm drives OpenAI-compatible servers only (--backend openai)")
+    metrics = run(args.base_url, loadgen.workload_of(args), args.rate, args.concurrency, args.seed, args.model)
+    return loadgen.report(args, metrics, [])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -525,15 +525,9 @@ def bench(backend: str, base_url: str, workload: Workload, rate: float | None = 
 
 
 def run(backend: str, base_url: str, workload: Workload, rate: float | None = None,
-        concurrency: int | None = None, *, use_guidellm: bool = False, seed: int = 0,
-        **backend_options: Any) -> dict:
-    """The metric dict (keys: METRIC_KEYS) for one server and one load. `use_guidellm` hands
-    OpenAI targets to guidellm (see guidellm_runner); shortfin's /generate is always ours."""
-    if use_guidellm and backend == "openai":
-        from benchmarks import guidellm_runner
-
-        return guidellm_runner.run(base_url, workload, rate=rate, concurrency=concurrency, seed=seed,
-                                   **backend_options)
+        concurrency: int | None = None, *, seed: int = 0, **backend_options: Any) -> dict:
+    """The metric dict (keys: METRIC_KEYS) for one server and one load (guidellm_runner.run
+    gives the same dict from guidellm)."""
     return bench(backend, base_url, workload, rate, concurrency, seed, **backend_options)[0]
 
 
@@ -571,8 +565,9 @@ def format_table(metrics: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.loadgen", description=__doc__.split("\n\n")[0])
+def arguments(prog: str, description: str) -> argparse.ArgumentParser:
+    """The command line of a load: the server, the workload, the load, where to write."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     parser.add_argument("--backend", choices=sorted(BACKENDS), default="openai")
     parser.add_argument("--tokenizer", required=True, help="the model's tokenizer.json (or its directory)")
@@ -586,28 +581,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix-len", type=int, help="shared_prefix: common tokens (1024)")
     parser.add_argument("--suffix-len", type=int, help="shared_prefix: distinct tokens (32)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--guidellm", action="store_true", help="drive OpenAI targets with guidellm")
     parser.add_argument("--json", type=Path, help="write {metrics, requests} here")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def workload_of(args: argparse.Namespace) -> Workload:
     options = {k: v for k, v in {"input_len": args.input_len, "output_len": args.output_len,
                                  "prefix_len": args.prefix_len, "suffix_len": args.suffix_len}.items()
                if v is not None}
-    workload = make_workload(args.workload, args.tokenizer, args.num_requests, args.seed, **options)
-    backend_options = {"model": args.model} if args.backend == "openai" and args.model else {}
-    requests: list[dict] = []
-    if args.guidellm:
-        metrics = run(args.backend, args.base_url, workload, args.rate, args.concurrency, use_guidellm=True,
-                      seed=args.seed, **backend_options)
-    else:
-        metrics, results = bench(args.backend, args.base_url, workload, args.rate, args.concurrency, args.seed,
-                                 **backend_options)
-        requests = [r.record() for r in results]
+    return make_workload(args.workload, args.tokenizer, args.num_requests, args.seed, **options)
+
+
+def report(args: argparse.Namespace, metrics: dict, requests: list[dict]) -> int:
+    """Print the metrics, write them (and each request's record) where --json says; the exit status."""
     print(format_table(metrics))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"metrics": metrics, "requests": requests}, indent=1) + "\n")
     return 0 if metrics["completed"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments("python -m benchmarks.loadgen", __doc__.split("\n\n")[0]).parse_args(argv)
+    backend_options = {"model": args.model} if args.backend == "openai" and args.model else {}
+    metrics, results = bench(args.backend, args.base_url, workload_of(args), args.rate, args.concurrency, args.seed,
+                             **backend_options)
+    return report(args, metrics, [r.record() for r in results])
 
 
 if __name__ == "__main__":

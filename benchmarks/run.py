@@ -201,7 +201,7 @@ def _weight_bytes() -> dict[str, int]:
 
 
 def step_serving(results: dict, args) -> None:
-    from benchmarks import loadgen
+    from benchmarks import guidellm_runner, loadgen
 
     out = results.setdefault("serving", {})
     for name in args.servers:
@@ -232,7 +232,7 @@ def step_serving(results: dict, args) -> None:
                     # The issue's well-kept load generator, as a cross-check of our client at
                     # the headline load (it keeps no per-gap ITL, so it is not the main series).
                     workload = loadgen.make_workload("random", tokenizer, num_requests=int(32 * args.scale), seed=200)
-                    check = loadgen.run(backend, url, workload, concurrency=16, use_guidellm=True)
+                    check = guidellm_runner.run(url, workload, concurrency=16)
                     results.setdefault("guidellm_check", {})[name] = check
                     _say(f"{name} (guidellm)", check)
         except Exception:  # one engine failing must not lose the others' figures

@@ -5,7 +5,11 @@ Both come from one pinned llama-cpp-python sdist, so the Python binding, the ser
 the GGUF converter are the same llama.cpp revision. Everything is built for this CPU
 (GGML_NATIVE) into `<cache>/peers/`, once.
 
-    python -m benchmarks.peers.llamacpp     # setup, then offline figures for f32 and f16
+Its GGUFs are converted by llama.cpp's own convert_hf_to_gguf.py from the HF directory
+of weights.py, and `check_same_weights()` shows the two agree: llama.cpp on the F32 GGUF and
+transformers on the HF directory produce the same greedy tokens.
+
+    python -m benchmarks.peers.llamacpp     # setup, the check, then offline figures for f32 and f16
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import tarfile
 import time
 from pathlib import Path
 
+from . import transformers_peer, weights
 from .common import heavy_lock, log, make_venv, others_cpu, peers_dir, run_json
 
 VERSION = "0.3.36"  # llama-cpp-python; pins the llama.cpp revision too
@@ -35,6 +40,12 @@ TARGETS = ["llama-server", "llama-batched-bench"]
 BENCH_SCRIPT = Path(__file__).with_name("llamacpp_bench.py")
 # Context per server slot: 256 prompt + 128 generated tokens, plus room.
 SLOT_CTX = 512
+# llama.cpp's converter writes each of these from the float32 HF directory (q8_0: 32-weight
+# blocks with a float16 scale each, what Kiln's int8 weights are measured against).
+DTYPES = ("f32", "f16", "bf16", "q8_0")
+BUNDLED = "q4_1"  # the bundled GGUF's own type
+CHECK_PROMPT = "The three primary colors are"
+CHECK_TOKENS = 32
 
 
 def source_root() -> Path:
@@ -115,10 +126,8 @@ def setup() -> Path:
 def offline(dtype: str = "f32") -> dict:
     """Offline figures through llama-cpp-python (2 threads, greedy): prefill of 128 and
     512 tokens, decode at batch 1 and 8 (see llamacpp_bench.py for the definitions)."""
-    from . import weights
-
     py = setup()
-    model = weights.gguf(dtype)
+    model = gguf(dtype)
     with heavy_lock(), others_cpu({}) as load:
         result = run_json(py, [str(BENCH_SCRIPT), "offline", str(model)])
         check = batched_bench(dtype)
@@ -130,11 +139,9 @@ def batched_bench(dtype: str = "f32", npp: int = 128, ntg: int = 128, npl: str =
     """llama.cpp's own `llama-batched-bench` (random tokens, no sampling, one run each):
     aggregate decode tokens/s for each batch size in `npl`, a cross-check of offline(), and
     the time its `npp`-token prompts took (prefill_bs<N>_ms)."""
-    from . import weights
-
     setup()
     largest = max(int(n) for n in npl.split(","))
-    cmd = [str(binary("llama-batched-bench")), "-m", str(weights.gguf(dtype)), "-t", "2", "-tb", "2",
+    cmd = [str(binary("llama-batched-bench")), "-m", str(gguf(dtype)), "-t", "2", "-tb", "2",
            "-c", str(largest * (npp + ntg) + 64), "-b", "2048", "-ub", "512",
            "-npp", str(npp), "-ntg", str(ntg), "-npl", npl, "--output-format", "jsonl"]
     with heavy_lock():
@@ -148,10 +155,8 @@ def start_server(dtype: str, port: int, parallel: int = 16, ctx_per_slot: int = 
                  log_file: Path | None = None) -> subprocess.Popen:
     """Start `llama-server` on 127.0.0.1:`port` with `parallel` slots (continuous batching,
     2 threads). The caller waits for /health and terminates it."""
-    from . import weights
-
     setup()
-    cmd = [str(binary("llama-server")), "-m", str(weights.gguf(dtype)),
+    cmd = [str(binary("llama-server")), "-m", str(gguf(dtype)),
            "--host", "127.0.0.1", "--port", str(port), "-t", "2", "-tb", "2",
            "--parallel", str(parallel), "-c", str(parallel * ctx_per_slot), "--cont-batching",
            "--no-webui", "--alias", "SmolLM2-135M-Instruct"]
@@ -159,14 +164,67 @@ def start_server(dtype: str, port: int, parallel: int = 16, ctx_per_slot: int = 
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
 
 
-def main() -> None:
-    from . import weights
+def gguf(dtype: str = "f32") -> Path:
+    """A GGUF of `dtype` (one of DTYPES) made by llama.cpp's convert_hf_to_gguf.py from
+    weights.hf_dir(), in the llama.cpp venv; converted on first use. "q4_1" is the bundled file itself
+    (Q4_1 layers, a Q8_0 embedding), which every other one is converted from."""
+    if dtype == BUNDLED:
+        from kiln.models.default_model import default_model_path
 
+        return default_model_path()
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
+    target = weights.weights_dir() / f"smollm2-135m-instruct-{dtype}.gguf"
+    marker = weights.weights_dir() / f".gguf-{dtype}-done"
+    stamp = f"{weights.source_stamp()} llama-cpp-python={VERSION}"
+    if weights.done(marker, stamp) and target.is_file():
+        return target
+    source = weights.hf_dir()
+    py = python()
+    script = llama_cpp_source() / "convert_hf_to_gguf.py"
+    partial = target.with_name(target.name + ".partial")
+    log(f"converting {source.name} to {target.name}")
+    with heavy_lock():
+        start = time.monotonic()
+        subprocess.run([str(py), str(script), str(source), "--outtype", dtype,
+                        "--outfile", str(partial)], check=True, stdout=sys.stderr)
+    partial.rename(target)
+    marker.write_text(stamp)
+    log(f"converted in {time.monotonic() - start:.0f} s")
+    return target
+
+
+def check_same_weights() -> dict:
+    """Greedy tokens from transformers (HF dir) and llama.cpp (F32 GGUF) for one prompt;
+    raises if they differ. The result is kept in weights/same-weights.json."""
+    record = weights.weights_dir() / "same-weights.json"
+    stamp = f"{weights.source_stamp()} llama-cpp-python={VERSION} {transformers_peer.REQUIREMENTS}"
+    if record.exists():
+        previous = json.loads(record.read_text())
+        if previous.get("stamp") == stamp and previous.get("match"):
+            return previous
+    with heavy_lock():
+        ref = transformers_peer.greedy(CHECK_PROMPT, CHECK_TOKENS)
+        ours = run_json(python(), [str(BENCH_SCRIPT), "greedy", str(gguf("f32")),
+                                            json.dumps(ref["prompt_ids"]), str(CHECK_TOKENS)])
+    result = {"stamp": stamp, "prompt": CHECK_PROMPT, "prompt_ids": ref["prompt_ids"],
+              "transformers": ref["tokens"], "llama.cpp": ours["tokens"],
+              "match": ref["tokens"] == ours["tokens"]}
+    record.write_text(json.dumps(result, indent=2))
+    if not result["match"]:
+        first = next(i for i, (a, b) in enumerate(zip(ref["tokens"], ours["tokens"])) if a != b)
+        raise RuntimeError(f"llama.cpp and transformers diverge at generated token {first}: "
+                           f"see {record}")
+    log(f"same weights: {CHECK_TOKENS} greedy tokens agree ({record})")
+    return result
+
+
+def main() -> None:
     start = time.monotonic()
     setup()
     log(f"setup done in {time.monotonic() - start:.0f} s")
     with heavy_lock():  # once for the whole run: the lock is contended, not FIFO
-        weights.check_same_weights()
+        check_same_weights()
         for dtype in ("f32", "f16"):
             print(json.dumps(offline(dtype)), flush=True)
 

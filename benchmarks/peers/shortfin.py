@@ -162,7 +162,7 @@ def setup() -> ShortfinPeer:
     timings = json.loads(timings_file.read_text()) if timings_file.exists() else {}
 
     hf = weights.hf_dir()
-    source = f"{weights._source_stamp()} sharktank={SHARKTANK}"
+    source = f"{weights.source_stamp()} sharktank={SHARKTANK}"
 
     # Tokenizer files, as shortfin reads them (its server wants tokenizer_config's eos_token).
     tokenizer, tokenizer_config = out / "tokenizer.json", out / "tokenizer_config.json"

@@ -10,6 +10,7 @@ import json
 import time
 from pathlib import Path
 
+from . import weights
 from .common import heavy_lock, log, make_venv, others_cpu, run_json
 
 VENV = "transformers"
@@ -24,8 +25,6 @@ def setup() -> Path:
 
 def offline() -> dict:
     """Prefill 128/512 and decode bs1/bs8 figures with 2 torch threads, float32."""
-    from . import weights
-
     py = setup()
     directory = weights.hf_dir()
     with heavy_lock(), others_cpu({}) as load:
@@ -34,9 +33,7 @@ def offline() -> dict:
 
 
 def greedy(text: str, n: int) -> dict:
-    """Greedy tokens for `text` (and its prompt ids): the reference for weights.py's check."""
-    from . import weights
-
+    """Greedy tokens for `text` (and its prompt ids): the reference for llamacpp.check_same_weights."""
     return run_json(setup(), [str(BENCH_SCRIPT), "greedy", str(weights.hf_dir()), text, str(n)])
 
 
