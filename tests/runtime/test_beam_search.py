@@ -9,7 +9,7 @@ import itertools
 import numpy as np
 import pytest
 
-from kiln.runtime import GenerateService, InvalidRequestError, SamplingParams, ServiceConfig
+from kiln.runtime import GenerateService, InvalidRequestError, SamplingParams, ServiceConfig, SpeculativeConfig
 from kiln.runtime.beam_search import BeamGroup
 from kiln.runtime.contract import Artifacts
 from tests.runtime.test_batcher import assert_idle, settle
@@ -201,7 +201,6 @@ def test_beams_ride_along_in_speculative_decodings_verify_calls(fake_model_dir, 
     """With speculative decoding on, a decode batch that holds a search's beams and drafted rows
     becomes a verify call: each row is read by its own request's mode, so the beams are still
     chosen among one another and the drafted rows still give plain decoding's tokens."""
-    from kiln.runtime import SpeculativeConfig
     from tests.fake_program import expected_greedy, write_fake_artifacts
 
     wide = write_fake_artifacts(tmp_path / "wide", (fake_model_dir / "tokenizer.json").read_text(),
