@@ -22,6 +22,7 @@ from iree.turbine import aot
 from kiln.models.checkpoint import Checkpoint
 from kiln.models.llama import PagedLlama
 from kiln.models.quantize import FLOAT32, quantize_model
+from kiln.models.registry import family_named
 from kiln.models.sharded_llama import ShardedPagedLlama
 from kiln.runtime.config import KilnParams, ModelParams, PagedKVCacheParams, save_model_config, sidecar_path
 from kiln.runtime.contract import (
@@ -124,8 +125,9 @@ def with_decode_buckets(checkpoint: Checkpoint, options: ExportOptions) -> Expor
 def build_model(checkpoint: Checkpoint, options: ExportOptions) -> PagedLlama | ShardedPagedLlama:
     """The model to trace: one device's, or cut and placed over the options' device layout."""
     in_place = attention_in_place(checkpoint, options)
-    model = PagedLlama(checkpoint.config, block_seq_stride=options.block_seq_stride, gather_pages=gather_pages,
-                       decode_attention=cpu_attention.paged_decode_attention if in_place else None)
+    module = family_named(checkpoint.config.architecture).module_class()
+    model = module(checkpoint.config, block_seq_stride=options.block_seq_stride, gather_pages=gather_pages,
+                   decode_attention=cpu_attention.paged_decode_attention if in_place else None)
     try:
         model.load_tensors(checkpoint.tensors, dtype=TORCH_DTYPES[options.dtype])
     except (ValueError, RuntimeError) as error:

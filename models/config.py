@@ -12,15 +12,6 @@ from typing import Any
 
 from kiln.runtime.errors import ModelLoadError
 
-# Architectures whose HF config.json / GGUF metadata we know how to map.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-}
-# The diffusion LMs' config.json architectures (diffusion_loader.py loads them).
-DIFFUSION_ARCHITECTURES = {"LLaDAModelLM": "llada", "DreamModel": "dream"}
-
 
 @dataclass
 class LlamaConfig:
@@ -39,7 +30,7 @@ class LlamaConfig:
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    architecture: str = "llama"
+    architecture: str = "llama"  # its family's name (registry.py)
     name: str = ""
     # Diffusion LMs (LLaDA, Dream) see the whole sequence (no causal mask), start their output
     # as a canvas of `mask_token_id`, and, with `logits_shift` 1 (Dream), the logits at

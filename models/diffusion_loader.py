@@ -1,21 +1,19 @@
-"""Load the Hugging Face checkpoints of the diffusion LMs LLaDA and Dream.
+"""Read the Hugging Face checkpoints of the diffusion LMs LLaDA and Dream (their entries in
+registry.py).
 
 Each is a Llama (LLaDA, in OLMo's names) or Qwen2 (Dream) decoder run without the causal
-mask, so both become an ordinary Checkpoint in Kiln's tensor names, marked "diffusion".
+mask, so both become an ordinary Checkpoint in Kiln's tensor names, of the diffusion kind.
 """
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import numpy as np
-
 from kiln.runtime.errors import ModelLoadError
 
-from .checkpoint import Checkpoint
-from .config import DIFFUSION_ARCHITECTURES, LlamaConfig
-from .hf_loader import checkpoint_with_tokenizer, llama_config, read_json, read_safetensors
+from .config import LlamaConfig
+from .hf_loader import llama_config
 
 MASK_TOKEN_IDS = {"llada": 126336, "dream": 151666}  # upstream's defaults
 _DISPLAY = {"llada": "LLaDA", "dream": "Dream"}
@@ -57,15 +55,6 @@ _LLADA_BLOCK_PARTS = {
 }
 _LLADA_TOP = {"wte": "model.embed_tokens", "ln_f": "model.norm", "ff_out": "lm_head"}
 _LLADA_NAME = re.compile(r"(?:model\.)?transformer\.(?:blocks\.(\d+)\.)?(\w+)\.(weight|bias)")
-
-
-def diffusion_kind(values: dict) -> str | None:
-    """"llada" or "dream" when config.json (as a dict) describes that diffusion LM, else None."""
-    for architecture in values.get("architectures") or []:
-        if architecture in DIFFUSION_ARCHITECTURES:
-            return DIFFUSION_ARCHITECTURES[architecture]
-    model_type = str(values.get("model_type", "")).lower()
-    return model_type if model_type in MASK_TOKEN_IDS else None
 
 
 def check_supported(kind: str, values: dict) -> None:
@@ -116,7 +105,7 @@ def dream_config(values: dict, name: str = "") -> LlamaConfig:
 def _diffusion_config(kind: str, values: dict, hf_values: dict, name: str, **decided) -> LlamaConfig:
     mask = values.get("mask_token_id", MASK_TOKEN_IDS[kind])
     config = llama_config(
-        hf_values, name=name, architecture=kind, model_kind="diffusion", mask_token_id=mask, **decided
+        hf_values, name=name, architecture=kind, mask_token_id=mask, **decided
     )
     if not isinstance(mask, int) or not 0 <= mask < config.vocab_size:
         raise ModelLoadError(
@@ -139,19 +128,3 @@ def llada_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         prefix = "" if layer is None else f"model.layers.{layer}."
         out[f"{prefix}{parts[part]}.{kind}"] = value
     return out
-
-
-_FORMATS = {"llada": (llada_config, llada_tensors), "dream": (dream_config, dict)}
-
-
-def load_diffusion_directory(directory: str | Path, values: dict | None = None) -> Checkpoint:
-    """A LLaDA or Dream HF directory as a Checkpoint; `values` is its config.json if already read."""
-    directory = Path(directory)
-    values = read_json(directory / "config.json") if values is None else values
-    kind = diffusion_kind(values)
-    if kind is None:
-        found = values.get("architectures") or values.get("model_type")
-        raise ModelLoadError(f"{directory} holds no LLaDA or Dream model (config.json says {found!r})")
-    make_config, rename = _FORMATS[kind]
-    config = make_config(values, name=directory.name)
-    return checkpoint_with_tokenizer(directory, config, rename(read_safetensors(directory)))

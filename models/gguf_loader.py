@@ -22,9 +22,9 @@ from .checkpoint import Checkpoint
 from .config import LlamaConfig
 from .gguf_blocks import BLOCK_TYPES, BlockWeight, read_blocks
 from .gguf_tokenizer import tokenizer_from_gguf
+from .registry import family_of_gguf
 from .rope import llama3_divisors
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
 
 # GGUF tensor name (without .weight/.bias) -> HF module name.
 GLOBAL_NAMES = {
@@ -195,11 +195,8 @@ def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
 def _config_from_metadata(
     meta: dict[str, Any], tensor_names: set[str], name: str, embedding_rows: int = 0
 ) -> LlamaConfig:
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ModelLoadError(
-            f"GGUF architecture {arch!r} is not supported; Kiln runs {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
-        )
+    family = family_of_gguf(meta.get("general.architecture"))
+    arch = family.gguf_architecture
 
     def key(k: str, default: Any = None, required: bool = False) -> Any:
         v = meta.get(f"{arch}.{k}")
@@ -250,7 +247,8 @@ def _config_from_metadata(
         attention_bias=any(n.endswith("attn_q.bias") for n in tensor_names),
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=eos_ids,
-        architecture=arch,
+        architecture=family.name,
+        model_kind=family.kind,
         name=str(meta.get("general.name") or name),
     )
 

@@ -1,7 +1,8 @@
-"""Load a Hugging Face model directory: config.json, safetensors (one file or sharded), tokenizer.
+"""Read a Hugging Face model directory: config.json, safetensors (one file or sharded), tokenizer.
 
-The diffusion LMs' directories (diffusion_loader.py) differ only in config.json and tensor
-names, so the readers of the other parts are shared from here.
+What differs by family (its config.json's fields, its tensor names) is read by the family's
+entry in registry.py: the Llama layout's here, the diffusion LMs' in diffusion_loader.py;
+the readers of the other parts are shared from here.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from kiln.runtime.errors import ModelLoadError
 from kiln.runtime.sampling import model_generation_defaults
 
 from .checkpoint import Checkpoint
-from .config import DIFFUSION_ARCHITECTURES, SUPPORTED_ARCHITECTURES, LlamaConfig
+from .config import LlamaConfig
 
 
 def read_json(path: Path) -> dict:
@@ -32,21 +33,11 @@ def token_ids(value) -> list[int]:
     return [value] if isinstance(value, int) else list(value or [])
 
 
-def config_from_hf(values: dict, name: str = "") -> LlamaConfig:
-    architectures = values.get("architectures") or []
-    known = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
-    if not known:
-        field = "architectures" if architectures else "model_type"
-        found = ", ".join(architectures) or values.get("model_type", "unknown")
-        runs = sorted(SUPPORTED_ARCHITECTURES) + sorted(DIFFUSION_ARCHITECTURES)
-        raise ModelLoadError(
-            f"unsupported architecture {found} (config.json {field}): Kiln runs {', '.join(runs)}"
-        )
-    architecture = SUPPORTED_ARCHITECTURES[known[0]]
-    return llama_config(
-        values, name=name, architecture=architecture,
-        attention_bias=values.get("attention_bias", architecture == "qwen2"),
-    )
+def hf_llama_config(values: dict, name: str, architecture: str, attention_bias: bool) -> LlamaConfig:
+    """A Llama-layout family's config.json (Llama, Mistral, Qwen2) as a LlamaConfig;
+    `attention_bias`: whether its q/k/v carry a bias when config.json does not say."""
+    return llama_config(values, name=name, architecture=architecture,
+                        attention_bias=values.get("attention_bias", attention_bias))
 
 
 def llama_config(values: dict, **decided) -> LlamaConfig:
@@ -115,8 +106,9 @@ def _load_bf16_file(path: Path) -> dict[str, np.ndarray]:
     return {name: t.float().numpy() for name, t in load_file(str(path)).items()}
 
 
-def _strip_prefix(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Accept both `model.layers...` and bare `layers...` naming."""
+def hf_llama_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A Llama-layout family's tensors under Kiln's names: `model.layers...` and bare
+    `layers...` naming both accepted."""
     out = {}
     for name, value in tensors.items():
         if not name.startswith(("model.", "lm_head.")):
@@ -128,14 +120,6 @@ def _strip_prefix(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def read_safetensors(directory: Path) -> dict[str, np.ndarray]:
     """Every tensor of the directory's safetensors (one file or an indexed set), as float32."""
     return load_tensors(_safetensor_files(directory))
-
-
-def load_hf_directory(directory: Path, values: dict | None = None) -> Checkpoint:
-    """An autoregressive model's HF directory; `values` is its config.json if already read."""
-    directory = Path(directory)
-    values = read_json(directory / "config.json") if values is None else values
-    config = config_from_hf(values, name=directory.name)
-    return checkpoint_with_tokenizer(directory, config, _strip_prefix(read_safetensors(directory)))
 
 
 def checkpoint_with_tokenizer(directory: Path, config: LlamaConfig,

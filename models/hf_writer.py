@@ -14,15 +14,17 @@ import numpy as np
 
 from .checkpoint import Checkpoint
 from .config import LlamaConfig
+from .registry import family_named
 
 
 def hf_config_dict(config: LlamaConfig) -> dict:
     """config.json in Hugging Face's format for LlamaForCausalLM / Qwen2ForCausalLM."""
-    qwen = config.architecture == "qwen2"
+    family = family_named(config.architecture)
+    qwen = family.name == "qwen2"
     eos = config.eos_token_ids
     d = {
-        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen else "llama",
+        "architectures": [family.hf_architectures[0]],
+        "model_type": family.name,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,

@@ -9,8 +9,8 @@ from kiln.runtime.errors import ModelLoadError
 from .checkpoint import Checkpoint
 from .default_model import DEFAULT_MODEL_GENERATION_DEFAULTS, DEFAULT_MODEL_NAME, default_model_path
 from .gguf_loader import load_gguf
-from .diffusion_loader import diffusion_kind, load_diffusion_directory
-from .hf_loader import load_hf_directory, read_json
+from .hf_loader import checkpoint_with_tokenizer, read_json, read_safetensors
+from .registry import family_of_hf
 
 
 def load_checkpoint(path: str | Path | None = None) -> Checkpoint:
@@ -24,10 +24,16 @@ def load_checkpoint(path: str | Path | None = None) -> Checkpoint:
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist")
     if path.is_dir():
-        values = read_json(path / "config.json")
-        if diffusion_kind(values):
-            return load_diffusion_directory(path, values)
-        return load_hf_directory(path, values)
+        return load_hf_directory(path)
     if path.suffix.lower() == ".gguf":
         return load_gguf(path)
     raise ModelLoadError(f"{path} is neither a Hugging Face model directory nor a .gguf file")
+
+
+def load_hf_directory(directory: Path) -> Checkpoint:
+    """An HF directory, read as its config.json's family says."""
+    values = read_json(directory / "config.json")
+    family = family_of_hf(values)
+    config = family.config_from_hf(values, directory.name)
+    config.architecture, config.model_kind = family.name, family.kind
+    return checkpoint_with_tokenizer(directory, config, family.tensors_from_hf(read_safetensors(directory)))

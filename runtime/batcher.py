@@ -21,7 +21,7 @@ from .executor import Executor
 from .finishing import Stopping
 from .generation_mode import GenerationMode, SearchDone, StepOutcome
 from .invocation import InvocationError
-from .kv_tiers import KvTiers
+from .kvcache.tiers import KvTiers
 from .output_processor import OutputProcessor
 from .request import Request, Sequence, SequenceState
 from .sampling import SamplingParams
@@ -53,7 +53,6 @@ class Batcher:
         self._executors = {phase: ex for mode in modes for phase, ex in mode.executors().items()}
         self.stopping = stopping
         self.kv_tiers = kv_tiers
-        self.host_tier = kv_tiers.host if kv_tiers is not None else None
         self._prefetching: set[asyncio.Task] = set()
         self.outputs = outputs
         self.counters = BatcherCounters()
@@ -153,7 +152,7 @@ class Batcher:
         while not self._stopping:
             self._apply_aborts()
             batch = self.scheduler.schedule()
-            if batch is None and self.host_tier is not None and self.host_tier.pending:
+            if batch is None and self.kv_tiers is not None and self.kv_tiers.copies_pending:
                 await self.copy_pages()  # idle: make the copies now rather than before the next step
                 continue
             if batch is None:
@@ -163,7 +162,7 @@ class Batcher:
                 continue
             for mode in self._mode_order:
                 batch = await mode.prepare(batch)
-            if self.host_tier is not None and self.host_tier.pending:
+            if self.kv_tiers is not None and self.kv_tiers.copies_pending:
                 # Pages restored for this batch must hold their K/V before it runs; pages evicted
                 # while scheduling it are read before anyone writes them.
                 await self.copy_pages()
@@ -184,11 +183,8 @@ class Batcher:
 
     async def copy_pages(self) -> None:
         """The host tier's waiting copies, made between steps; then what went to the host is
-        passed on (to be saved on disk)."""
-        if not self.host_tier.pending:
-            return
-        copied = await self.executor.copy_pages(self.host_tier)
-        self.kv_tiers.save_copies(copied)
+        saved on disk."""
+        await self.kv_tiers.flush(self.executor.copy_pages)
 
     # -- after a step -----------------------------------------------------------------
     def update(self, batch: Batch, logits: list[np.ndarray | None]) -> None:

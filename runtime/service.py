@@ -38,7 +38,8 @@ from .kvcache.events import CacheCleared, KvEventLog
 from .kvcache.page_pool import PagePool
 from .kvcache.plain_cache import PlainPagedAttentionCache
 from .kvcache.trie_cache import TriePagedAttentionCache
-from .kv_tiers import KvTiers, disk_store_for, host_tier_for
+from .kv_tiers import disk_store_for, host_tier_for
+from .kvcache.tiers import KvTiers
 from .output_processor import OutputProcessor
 from .program import Program
 from .request import Event, Request

@@ -1,9 +1,32 @@
-"""What a KV-cache manager promises the batcher: pages for a sequence's tokens.
+"""The KV cache's interface: what the scheduler may ask of it, and what it promises.
 
-Two implementations: `TriePagedAttentionCache` shares full pages between
-sequences with a common prefix; `BasePagedAttentionCache`-derived
-`PlainPagedAttentionCache` gives every sequence its own pages. The method names
-are shortfin's.
+Everything about the KV cache lives in this package: the device's pages (`page_pool.py`), the
+two caches (`trie_cache.py` shares full pages between sequences with a common prefix;
+`plain_cache.py` gives every sequence its own), the tiers below the device (`host_tier.py`,
+`disk_tier.py`, run for a service by `tiers.py`) and the prefix cache's events (`events.py`).
+Outside it, the scheduler holds `PageAllocation`s and calls the methods below; nothing else
+reaches into the trie. The method names are shortfin's.
+
+What holds, for every implementation:
+- **On the device.** Every page an allocation lists is a device page for as long as the
+  allocation is not released. Page 0 is never handed out: padding rows write there.
+- **Written.** The cache never writes K/V; the model's calls do, into the pages the scheduler
+  passed them. A sequence's pages hold its K/V up to the tokens the scheduler counted as
+  computed, and `cached_tokens` of a fresh allocation are already there (a prefix hit).
+- **Published.** `publish_allocated_pages` offers the full pages of tokens whose K/V are
+  written. From then on another sequence whose tokens start the same may be given those pages
+  instead of computing them (with `shares_prefixes`); a partial last page is never shared,
+  and at least the last token of a prompt is always left to compute.
+- **Evictable.** A published page that no live allocation references is held by the cache
+  alone: it may be evicted, least recently used first, only when the pool cannot otherwise
+  supply pages (its K/V moving to the host tier where there is one). A page any live
+  allocation references is never evicted or handed to another owner.
+- **Between steps.** Pages change hands (acquired, freed, evicted, restored from the host tier)
+  only between model calls, and the copies between the device and the host are made then, on
+  the device's thread (`tiers.KvTiers.flush`), so no call reads a page while it moves.
+- **Counted.** The pool's reference count on a page is its number of holders (the cache's
+  one while it caches it, plus one per allocation): the page is free exactly when it is zero.
+  `check_integrity` asserts this accounting.
 """
 
 from __future__ import annotations

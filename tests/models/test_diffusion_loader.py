@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from kiln.models.diffusion_loader import diffusion_kind, llada_tensors
+from kiln.models.diffusion_loader import llada_tensors
 from kiln.models.llama import PagedLlama
 from kiln.models.loader import load_checkpoint
 from kiln.runtime.errors import ModelLoadError
@@ -258,13 +258,21 @@ def test_null_mask_token_is_refused(tmp_path):
     assert_one_line_error(error, "mask_token_id=None", "mask token")
 
 
-def test_diffusion_kind():
-    assert diffusion_kind({"architectures": ["LLaDAModelLM"]}) == "llada"
-    assert diffusion_kind({"model_type": "llada"}) == "llada"
-    assert diffusion_kind({"architectures": ["DreamModel"], "model_type": "Dream"}) == "dream"
-    assert diffusion_kind({"model_type": "Dream"}) == "dream"
-    assert diffusion_kind({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}) is None
-    assert diffusion_kind({}) is None
+def test_the_family_is_found_from_architectures_or_model_type():
+    from kiln.models.registry import DIFFUSION, family_of_hf
+
+    def family(values):
+        found = family_of_hf(values)
+        return found.name, found.kind
+
+    assert family({"architectures": ["LLaDAModelLM"]}) == ("llada", DIFFUSION)
+    assert family({"model_type": "llada"}) == ("llada", DIFFUSION)
+    assert family({"architectures": ["DreamModel"], "model_type": "Dream"}) == ("dream", DIFFUSION)
+    assert family({"model_type": "Dream"}) == ("dream", DIFFUSION)
+    assert family({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}) == ("qwen2", "autoregressive")
+    assert family({"architectures": ["MistralForCausalLM"]}) == ("llama", "autoregressive")
+    with pytest.raises(ModelLoadError):
+        family_of_hf({})
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.models.hf_loader import load_hf_directory
+from kiln.models.loader import load_hf_directory
 from kiln.models.llama import PagedLlama
 from tests.tiny_model import make_tiny_checkpoint, write_hf_directory
 

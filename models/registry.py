@@ -1,0 +1,87 @@
+"""The model families Kiln runs: from what a checkpoint says it is to how it is read, built and served.
+
+A family is found from a config.json's `architectures` (else its `model_type`) or a GGUF's
+`general.architecture`. Its entry names the reader of its config.json, the renaming of its
+tensors to Kiln's names, the torch module the export builds for it, and the kind of model
+the sidecar records (`KilnParams.model_kind`), from which the runtime chooses its generation
+modes. Adding a family adds an entry here, its reader and module in models/, what the export
+needs in export/, and a test: runtime/ and server/ stay as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import import_module
+
+import numpy as np
+
+from kiln.runtime.contract import DIFFUSION
+from kiln.runtime.errors import ModelLoadError
+
+from .config import LlamaConfig
+from .diffusion_loader import dream_config, llada_config, llada_tensors
+from .hf_loader import hf_llama_config, hf_llama_tensors
+
+AUTOREGRESSIVE = "autoregressive"  # KilnParams.model_kind's default; DIFFUSION is the contract's other kind
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str  # LlamaConfig.architecture
+    hf_architectures: tuple[str, ...]  # config.json's `architectures` entries
+    hf_model_types: tuple[str, ...]  # its `model_type` (lowercased), where `architectures` names none of ours
+    gguf_architecture: str | None  # a GGUF's general.architecture (None: no GGUF form)
+    kind: str  # the sidecar's model_kind: AUTOREGRESSIVE or DIFFUSION
+    config_from_hf: Callable[[dict, str], LlamaConfig]  # (config.json, the model's name)
+    tensors_from_hf: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]  # to Kiln's names
+    module: str = "kiln.models.llama:PagedLlama"  # what the export builds, as "module:class"
+
+    def module_class(self) -> type:
+        """The torch module the export builds (imported here, on first use: it needs torch)."""
+        module, name = self.module.split(":")
+        return getattr(import_module(module), name)
+
+
+FAMILIES = (
+    ModelFamily("llama", ("LlamaForCausalLM", "MistralForCausalLM"), (), "llama", AUTOREGRESSIVE,
+                lambda values, name: hf_llama_config(values, name, "llama", attention_bias=False), hf_llama_tensors),
+    ModelFamily("qwen2", ("Qwen2ForCausalLM",), (), "qwen2", AUTOREGRESSIVE,
+                lambda values, name: hf_llama_config(values, name, "qwen2", attention_bias=True), hf_llama_tensors),
+    ModelFamily("llada", ("LLaDAModelLM",), ("llada",), None, DIFFUSION, llada_config, llada_tensors),
+    ModelFamily("dream", ("DreamModel",), ("dream",), None, DIFFUSION, dream_config, dict),
+)
+
+
+def family_of_hf(values: dict) -> ModelFamily:
+    """The family a config.json (as a dict) describes; ModelLoadError naming the field otherwise."""
+    architectures = values.get("architectures") or []
+    for architecture in architectures:
+        for family in FAMILIES:
+            if architecture in family.hf_architectures:
+                return family
+    model_type = str(values.get("model_type", "")).lower()
+    for family in FAMILIES:
+        if model_type in family.hf_model_types:
+            return family
+    field = "architectures" if architectures else "model_type"
+    found = ", ".join(architectures) or values.get("model_type", "unknown")
+    runs = ", ".join(a for family in FAMILIES for a in family.hf_architectures)
+    raise ModelLoadError(f"unsupported architecture {found} (config.json {field}): Kiln runs {runs}")
+
+
+def family_of_gguf(architecture: object) -> ModelFamily:
+    """The family of a GGUF's general.architecture; ModelLoadError naming it otherwise."""
+    for family in FAMILIES:
+        if family.gguf_architecture is not None and architecture == family.gguf_architecture:
+            return family
+    runs = ", ".join(f.gguf_architecture for f in FAMILIES if f.gguf_architecture)
+    raise ModelLoadError(f"GGUF architecture {architecture!r} is not supported; Kiln runs {runs}")
+
+
+def family_named(name: str) -> ModelFamily:
+    """The family of a loaded checkpoint (its config.architecture)."""
+    for family in FAMILIES:
+        if family.name == name:
+            return family
+    raise ModelLoadError(f"no model family is named {name!r}: Kiln runs {', '.join(f.name for f in FAMILIES)}")
