@@ -207,17 +207,17 @@ class GenerateService:
             # The disk tier reads into host slots: without a size given, as many as device pages.
             host_bytes = config.host_kv_bytes or page_count * page_bytes
             host_tier = host_tier_for(config, pool, program, host_bytes, prefix_sharing)
-        cache = (TriePagedAttentionCache(pool, abi.block_seq_stride, host_tier) if prefix_sharing == "trie"
-                 else PlainPagedAttentionCache(pool, abi.block_seq_stride))
-        if host_tier is not None:
-            disk = disk_store_for(config, artifacts, program) if config.kv_cache_dir else None
-            self.kv_tiers = KvTiers(cache, host_tier, disk)
         if config.kv_events:
             if prefix_sharing != "trie":
                 raise ModelLoadError("KV events come from the prefix cache: they need --prefix-sharing trie "
                                      "(and an export whose prefill takes start positions)")
-            cache.events = self.kv_events = KvEventLog()
+            self.kv_events = KvEventLog()
             self.kv_events.emit(CacheCleared())  # whatever a subscriber knew of an earlier run is gone
+        cache = (TriePagedAttentionCache(pool, abi.block_seq_stride, host_tier, self.kv_events)
+                 if prefix_sharing == "trie" else PlainPagedAttentionCache(pool, abi.block_seq_stride))
+        if host_tier is not None:
+            disk = disk_store_for(config, artifacts, program) if config.kv_cache_dir else None
+            self.kv_tiers = KvTiers(cache, host_tier, disk)
         executor = Executor(program, pool.buffer, page_count, self.vocab_size, self._device_thread)
         self.program, self.cache, self.pool = program, cache, pool
         stopping = Stopping(self.tokenizer, self.eos_token_ids, abi.max_seq_len)

@@ -19,13 +19,13 @@ from starlette.middleware.cors import CORSMiddleware
 
 from kiln.runtime.service import GenerateService, ServiceState
 
-from . import admin_routes, generate_routes, openai_routes, responses_routes, tokenizer_routes, websocket_routes
+from .http import admin_routes, generate_routes, openai_routes, responses_routes, tokenizer_routes, websocket_routes
 from .errors import install_error_handlers
 from .logprobs import TokenText
 from .metrics import CONTENT_TYPE, Metrics
-from .middleware import BodyLimit, Guard, JsonBodies, RequestContext
+from .http.middleware import BodyLimit, Guard, JsonBodies, RequestContext
 from .settings import ServerSettings
-from .streaming import ClientDisconnected
+from .http.streaming import ClientDisconnected
 
 log = logging.getLogger("kiln.server")
 
@@ -38,7 +38,7 @@ def create_app(service: GenerateService, settings: ServerSettings,
     async def lifespan(app: FastAPI):
         grpc_front = None
         if settings.grpc_port is not None:
-            from .grpc_server import GrpcFront  # the grpc extra, imported only when asked for
+            from .grpc.server import GrpcFront  # the grpc extra, imported only when asked for
 
             grpc_front = app.state.grpc = GrpcFront(service, settings, app.state.metrics)
             await grpc_front.start()

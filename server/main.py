@@ -24,7 +24,7 @@ from kiln.runtime.service import GenerateService
 from kiln.runtime.service_config import ServiceConfig
 
 from .app import create_app, drain
-from .connections import head_deadline_protocol
+from .http.connections import head_deadline_protocol
 from .settings import ServerSettings
 
 log = logging.getLogger("kiln.server")

@@ -17,8 +17,8 @@ def autoregressive_footprint(prompt_len: int, params: SamplingParams) -> Footpri
     """One token a step, up to max_tokens, in one set of pages; a diffusion LM's options refused."""
     if params.diffusion is not None:
         first = params.diffusion.first_given()
-        raise InvalidRequestError(f"{first} applies only to diffusion models; this server serves an "
-                                  "autoregressive one", param=first)
+        raise InvalidRequestError(f"{first} applies only to diffusion models; this model is autoregressive",
+                                  param=first)
     return Footprint(prompt_len + params.max_tokens)
 
 

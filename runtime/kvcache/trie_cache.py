@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from .base import BasePagedAttentionCache, CacheStats, PageAllocation
 from .disk_tier import DiskKvStore, DiskPage
-from .events import BlockStored, BlocksRemoved, block_hash, chained_pages
+from .events import BlockStored, BlocksRemoved, KvEventLog, block_hash, chained_pages
 from .host_tier import HostKvTier
 from .page_pool import PagePool
 
@@ -59,7 +59,10 @@ class _TrieHandle:
 class TriePagedAttentionCache(BasePagedAttentionCache):
     shares_prefixes = True
 
-    def __init__(self, page_pool: PagePool, block_seq_stride: int, host: HostKvTier | None = None):
+    def __init__(self, page_pool: PagePool, block_seq_stride: int, host: HostKvTier | None = None,
+                 events: KvEventLog | None = None):
+        """`host`: the host tier below the device's pages; `events`: where the pages it stores
+        and drops are told, for cache-aware routers."""
         super().__init__(page_pool, block_seq_stride)
         self.host = host
         self.root = TrieNode(key=(), page=0, parent=None)
@@ -80,8 +83,7 @@ class TriePagedAttentionCache(BasePagedAttentionCache):
         self._host_hit_tokens = 0
         # Live allocations by identity, so check_integrity can account for private pages.
         self._live: dict[int, PageAllocation] = {}
-        # KV events (runtime.kvcache.events.KvEventLog) for cache-aware routers; None: off.
-        self.events = None
+        self.events = events
         # The disk tier under the host tier (pages saved as their host copies are made); None: off.
         self.disk: DiskKvStore | None = None
         self._disk_hit_tokens = 0

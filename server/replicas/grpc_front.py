@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from ..grpc_server import HealthReporting
+from ..grpc.server import HealthReporting
 from .grpc_bridge import GrpcCall, GrpcStatus, status_code
 from .prefix_table import RouteHint
 

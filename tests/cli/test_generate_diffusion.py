@@ -22,5 +22,5 @@ def test_generate_with_diffusion_flags(tiny_llada_artifacts):
 def test_an_autoregressive_model_refuses_them_in_one_line(tiny_artifacts):
     done = run_kiln("generate", "--artifacts", str(tiny_artifacts), "--prompt", "Hello", "--steps", "8", check=False)
     assert done.returncode != 0
-    assert "apply only to diffusion models" in done.stderr
+    assert "steps applies only to diffusion models; this model is autoregressive" in done.stderr
     assert "Traceback" not in done.stderr

@@ -467,10 +467,11 @@ def test_a_full_host_tier_reclaims_its_least_recently_used_pages():
     cache.check_integrity()
 
 
-def test_kv_events_report_pages_stored_and_evicted(trie):
+def test_kv_events_report_pages_stored_and_evicted():
     from kiln.runtime.kvcache.events import BlocksRemoved, BlockStored, KvEventLog, block_hash
 
-    log = trie.events = KvEventLog()
+    log = KvEventLog()
+    trie = TriePagedAttentionCache(PagePool(PAGE_COUNT), STRIDE, events=log)
     seen = []
     log.add_listener(lambda batch: seen.extend(batch.events))
     tokens = list(range(10, 20))  # two full pages and two tokens
@@ -491,3 +492,4 @@ def test_kv_events_report_pages_stored_and_evicted(trie):
     while not subscription.queue.empty():
         batches.append(subscription.queue.get_nowait())
     assert [b.sequence_number for b in batches] == [3, 4] and batches[0].events == (seen[2],)
+    trie.check_integrity()

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from kiln.runtime.request import Event
 from kiln.runtime.sampling import SamplingParams
 from kiln.server.protocol import ResponsesRequest, ResponsesTextFormat
-from kiln.server.responses_routes import ResponseView
+from kiln.server.http.responses_routes import ResponseView
 from tests.server.test_structured_output import PERSON, check_person
 
 pytestmark = pytest.mark.e2e

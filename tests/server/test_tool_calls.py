@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from kiln.runtime.errors import InvalidRequestError
-from kiln.server.openai_routes import tool_instructions
+from kiln.server.http.openai_routes import tool_instructions
 from kiln.server.tool_calls import StreamedContent, Tools, choose_parser, parse
 from tests.tiny_model import CHATML_TEMPLATE
 

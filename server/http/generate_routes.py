@@ -17,11 +17,11 @@ from fastapi.responses import JSONResponse
 
 from kiln.runtime.errors import InvalidRequestError
 
-from .errors import error_body, failure_of
-from .generation import Generation, admit, check_n
-from .params import shortfin_params
-from .prompts import encode
-from .protocol import GenerateRequest
+from ..errors import error_body, failure_of
+from ..generation import Generation, admit, check_n
+from ..params import shortfin_params
+from ..prompts import encode
+from ..protocol import GenerateRequest
 from .streaming import DONE, EventStream, sse, unless_disconnected
 
 router = APIRouter()

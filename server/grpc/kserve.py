@@ -27,12 +27,12 @@ from kiln.runtime.errors import InvalidRequestError, KilnError
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.service import GenerateService
 
-from .errors import failure_of
-from .generation import Generation, admit, check_limits
-from .grpc_status import status_of
-from .metrics import Metrics
-from .prompts import encode
-from .settings import ServerSettings
+from ..errors import failure_of
+from ..generation import Generation, admit, check_limits
+from ..metrics import Metrics
+from ..prompts import encode
+from ..settings import ServerSettings
+from .status import status_of
 
 log = logging.getLogger("kiln.grpc")
 SERVICE_NAME = "inference.GRPCInferenceService"

@@ -22,10 +22,10 @@ from grpc_reflection.v1alpha import reflection
 
 from kiln.runtime.service import GenerateService
 
-from .kserve_grpc import add_kserve_service
-from .metrics import Metrics
-from .settings import ServerSettings
-from .vllm_grpc import add_vllm_engine_service
+from ..metrics import Metrics
+from ..settings import ServerSettings
+from .kserve import add_kserve_service
+from .vllm_engine import add_vllm_engine_service
 
 log = logging.getLogger("kiln.grpc")
 # Callable without a key, as load balancers and grpcurl expect.

@@ -30,11 +30,11 @@ from kiln.runtime.kvcache.events import MEDIUM, BlockStored, BlocksRemoved, Even
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.service import GenerateService
 
-from .generation import Generation, admit, rest_of_context
-from .grpc_status import status_of
-from .metrics import Metrics
-from .prompts import encode
-from .settings import ServerSettings
+from ..generation import Generation, admit, rest_of_context
+from ..metrics import Metrics
+from ..prompts import encode
+from ..settings import ServerSettings
+from .status import status_of
 
 SERVICE_NAME = "vllm.grpc.engine.VllmEngine"
 TOKENIZER_CHUNK = 1 << 20

@@ -10,9 +10,9 @@ from fastapi import APIRouter, Request
 
 from kiln.runtime.errors import InvalidRequestError
 
-from .generation import admit
-from .prompts import chat_ids, encode
-from .protocol import DetokenizeRequest, TokenizeRequest
+from ..generation import admit
+from ..prompts import chat_ids, encode
+from ..protocol import DetokenizeRequest, TokenizeRequest
 
 router = APIRouter()
 

@@ -22,11 +22,11 @@ from fastapi.responses import JSONResponse
 from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.sampling import SamplingParams
 
-from .errors import failure_of
-from .generation import Choice, Generation, Usage, admit, rest_of_context
+from ..errors import failure_of
+from ..generation import Choice, Generation, Usage, admit, rest_of_context
+from ..params import format_constraint, openai_params
+from ..protocol import ChatCompletionRequest, ChatMessage, ResponsesInputMessage, ResponsesRequest, ResponsesTextFormat
 from .openai_routes import chat_prompt
-from .params import format_constraint, openai_params
-from .protocol import ChatCompletionRequest, ChatMessage, ResponsesInputMessage, ResponsesRequest, ResponsesTextFormat
 from .streaming import EventStream, sse, unless_disconnected
 
 router = APIRouter()

@@ -22,12 +22,12 @@ from pydantic import ValidationError
 
 from kiln.runtime.errors import InvalidRequestError, KilnError
 
-from .errors import error_body, failure_of
-from .generation import Choice, Generation, admit, rest_of_context
+from ..errors import error_body, failure_of
+from ..generation import Choice, Generation, admit, rest_of_context
+from ..params import check_logprobs, openai_params
+from ..prompts import chat_ids, encode
+from ..protocol import SocketCancel, SocketGenerate
 from .middleware import RATE_LIMIT_STATE
-from .params import check_logprobs, openai_params
-from .prompts import chat_ids, encode
-from .protocol import SocketCancel, SocketGenerate
 
 router = APIRouter()
 

@@ -17,16 +17,16 @@ from fastapi.responses import JSONResponse
 from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.service import GenerateService, ServiceState
 
-from .errors import error_body, failure_of
-from .generation import Choice, Generation, admit, rest_of_context
-from .logprobs import TokenText, chat_logprobs, completion_logprobs, join_completion_logprobs
-from .params import check_logprobs, openai_params
-from .prompts import chat_ids, encode
-from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAISampling
-from .settings import ServerSettings
+from ..errors import error_body, failure_of
+from ..generation import Choice, Generation, admit, rest_of_context
+from ..logprobs import TokenText, chat_logprobs, completion_logprobs, join_completion_logprobs
+from ..params import check_logprobs, openai_params
+from ..prompts import chat_ids, encode
+from ..protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAISampling
+from ..settings import ServerSettings
+from ..tool_calls import StreamedContent, Tools, choose_parser
+from ..tool_calls import parse as parse_tool_calls
 from .streaming import DONE, EventStream, sse, unless_disconnected
-from .tool_calls import StreamedContent, Tools, choose_parser
-from .tool_calls import parse as parse_tool_calls
 
 router = APIRouter()
 

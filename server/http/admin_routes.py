@@ -10,8 +10,8 @@ from pydantic import BaseModel, ConfigDict
 
 from kiln.runtime.errors import InvalidRequestError
 
-from .generation import admit
-from .prompts import encode
+from ..generation import admit
+from ..prompts import encode
 
 router = APIRouter()
 

@@ -27,8 +27,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kiln.runtime.errors import GenerationError
 
-from .errors import APIError, error_response
-from .metrics import Metrics
+from ..errors import APIError, error_response
+from ..metrics import Metrics
 
 log = logging.getLogger("kiln.server")
 access_log = logging.getLogger("kiln.access")
