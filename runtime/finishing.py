@@ -70,10 +70,9 @@ class Stopping:
         for seq in request.sequences:
             self._texts[seq.seq_id] = _TextState(seq, self.tokenizer)
 
-    def drop(self, seq: Sequence) -> bool:
-        """Forget a sequence ended from outside a step (or by its beam search); False if it had
-        already ended."""
-        return self._texts.pop(seq.seq_id, None) is not None
+    def drop(self, seq: Sequence) -> None:
+        """Forget a sequence ended from outside a step (or by its beam search)."""
+        self._texts.pop(seq.seq_id, None)
 
     def end_tokens(self, params: SamplingParams) -> frozenset[int]:
         """The tokens that end a sequence of these params (not part of its text)."""
