@@ -106,18 +106,24 @@ def options_from_args(args) -> ExportOptions:
     )
 
 
-def _check_model_path(path: Path | None) -> None:
+def _model_path(path: Path | None) -> Path | None:
+    """The model file or directory named (a packaged model's name resolved); it must exist."""
+    from kiln.models.packaged import resolve_model_path
     from kiln.runtime.errors import ModelLoadError
 
-    if path is not None and not path.exists():
+    if path is None:
+        return None
+    path = resolve_model_path(path)
+    if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist")
+    return path
 
 
 def run_export(args) -> int:
     from kiln.export.export_model import export_model
     from kiln.models.loader import load_checkpoint
 
-    _check_model_path(args.model)
+    args.model = _model_path(args.model)
     options = options_from_args(args)
     started = time.monotonic()
     _log("loading the model" + (f" from {args.model}" if args.model else " (bundled SmolLM2-135M-Instruct)"))
@@ -141,7 +147,7 @@ def run_compile(args) -> int:
 def run_build(args) -> int:
     from kiln.export.build import build
 
-    _check_model_path(args.model)
+    args.model = _model_path(args.model)
     options = options_from_args(args)
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     directory = build(args.model, options, targets, args.output_dir, extra_flags=args.extra_flags, log=_log)

@@ -36,7 +36,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--params", type=Path, help="the model's .irpa")
     group.add_argument("--config", type=Path, help="the model's model.json")
     group.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: beside the config)")
-    group.add_argument("--model", type=Path, help="HF directory or .gguf to build (export + compile) on first use")
+    group.add_argument("--model", type=Path, help="HF directory, .gguf or packaged model's name (gemma-3-270m) to "
+                       "build (export + compile) on first use")
     group.add_argument("--dtype", choices=DTYPES, default=DTYPES[0],
                        help="with --model or the default model: the dtype to build")
     group.add_argument("--kv-cache-dtype", choices=DTYPES, default="",
@@ -103,5 +104,8 @@ def resolve_artifacts(args, log=lambda line: print(line, file=sys.stderr, flush=
     cpu_kernels = {"auto": None, "on": True, "off": False}[args.cpu_kernels]
     options = default_build_options(args.dtype, args.kv_cache_dtype, args.tensor_parallel, args.pipeline_parallel,
                                     quantize=args.quantize, cpu_kernels=cpu_kernels)
-    directory = build(args.model, options, ["cpu"], log=log)
+    from kiln.models.packaged import resolve_model_path
+
+    model = None if args.model is None else resolve_model_path(args.model)
+    directory = build(model, options, ["cpu"], log=log)
     return Artifacts.in_directory(directory, "cpu")

@@ -19,6 +19,7 @@ from kiln.runtime.service_config import (
     ServiceConfig,
     SpeculativeConfig,
 )
+from kiln.server.reasoning import PARSERS as REASONING_PARSERS
 from kiln.server.replicas.prefix_table import POLICIES, RoutingPolicy
 from kiln.server.settings import ServerSettings
 from kiln.server.tool_calls import PARSERS
@@ -78,6 +79,10 @@ def add_command(commands) -> None:
     server.add_argument("--tool-call-parser", choices=PARSERS, default=settings.tool_call_parser,
                         help="how the model writes tool calls: hermes (<tool_call> JSON), llama3_json, or "
                         "auto (from the chat template; default)")
+    server.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=settings.reasoning_parser,
+                        help="split a reasoning model's thinking (<think>...</think>) from its answer on chat: "
+                        "message.reasoning_content / delta.reasoning_content, and a reasoning item on /v1/responses; "
+                        "tool calls and structured output apply to the answer (default: off)")
     server.add_argument("--api-key", action="append", default=[], metavar="KEY",
                         help="require 'Authorization: Bearer KEY' (repeatable; also $KILN_API_KEY)")
     server.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
@@ -223,8 +228,10 @@ def speculative_config(args):
 def second_model_artifacts(args, path: Path, label: str):
     """A second model's artifacts (an APD verifier, a draft model): a directory of them as it
     is, or a model built (in a child process) before the server starts."""
+    from kiln.models.packaged import resolve_model_path
     from kiln.runtime.contract import CONFIG_FILE
 
+    path = resolve_model_path(path)
     if not path.exists():
         from kiln.runtime.errors import ModelLoadError
 
@@ -271,10 +278,13 @@ def read_chat_template(value: str | None) -> str | None:
 def run_serve(args) -> int:
     from kiln.server.main import serve
 
-    if args.model is not None and not args.model.exists():
+    if args.model is not None:
+        from kiln.models.packaged import resolve_model_path
         from kiln.runtime.errors import ModelLoadError
 
-        raise ModelLoadError(f"model path {args.model} does not exist")
+        args.model = resolve_model_path(args.model)
+        if not args.model.exists():
+            raise ModelLoadError(f"model path {args.model} does not exist")
     # A model to build is built after the server is up, so /health answers 503 meanwhile.
     prepare = (lambda: resolve_in_child(args)) if needs_build(args) else None
     artifacts = None if prepare else resolve_artifacts(args)
@@ -290,6 +300,7 @@ def run_serve(args) -> int:
         model_aliases=(str(args.model),) if args.model and not args.served_model_name else (),
         chat_template=read_chat_template(args.chat_template),
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         api_keys=tuple(k.strip() for k in api_keys),
         cors_origins=tuple(args.cors_origin),
         rate_limit=args.rate_limit,

@@ -20,6 +20,7 @@ import torch
 from iree.turbine import aot
 
 from kiln.models.checkpoint import Checkpoint
+from kiln.models.config import SLIDING
 from kiln.models.llama import PagedLlama
 from kiln.models.quantize import FLOAT32, quantize_model
 from kiln.models.registry import family_named
@@ -110,15 +111,19 @@ def attention_in_place(checkpoint: Checkpoint, options: ExportOptions) -> bool:
 
 def with_decode_buckets(checkpoint: Checkpoint, options: ExportOptions) -> ExportOptions:
     """The options with their decode buckets chosen (ExportOptions.decode_buckets): where none
-    were asked for, one of max_seq_len if attention reads the pages in place, since a wider
-    table costs that kernel nothing, and none otherwise."""
+    were asked for, one of max_seq_len if every layer's attention reads the pages in place, since
+    a wider table costs that kernel nothing, and none otherwise."""
     if checkpoint.config.is_diffusion:
         if options.decode_buckets:
             raise ExportError("decode buckets do not apply to a diffusion LM: it has no decode functions")
         return replace(options, decode_buckets=())
     if options.decode_buckets is not None:
         return options
-    in_place = attention_in_place(checkpoint, options)
+    c = checkpoint.config
+    # A local (sliding-window) or soft-capped layer gathers the table's pages even beside the
+    # kernel: a table as wide as the context would cost it every page on every step.
+    gathered_layers = SLIDING in c.layer_types or c.attn_logit_softcapping is not None
+    in_place = attention_in_place(checkpoint, options) and not gathered_layers
     return replace(options, decode_buckets=(options.max_seq_len,) if in_place else ())
 
 
@@ -148,6 +153,9 @@ def export_model(checkpoint: Checkpoint, options: ExportOptions, output_dir: Pat
         raise ExportError("--top-k does not apply to a diffusion LM: its sampler reads every masked position")
     problem = options.layout.problem(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
                                      c.intermediate_size)
+    if not problem and c.num_experts:  # each expert's columns are split too
+        problem = options.layout.problem(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
+                                         c.moe_intermediate_size)
     if problem:
         raise ExportError(problem)
     if options.cpu_kernels and (problem := support_problem()):

@@ -12,6 +12,9 @@ from typing import Any
 
 from kiln.runtime.errors import ModelLoadError
 
+FULL, SLIDING = "full_attention", "sliding_attention"  # LlamaConfig.layer_types' values, HF's names
+ACTIVATIONS = ("silu", "gelu_tanh")
+
 
 @dataclass
 class LlamaConfig:
@@ -38,10 +41,36 @@ class LlamaConfig:
     model_kind: str = "autoregressive"  # or "diffusion"
     mask_token_id: int | None = None
     logits_shift: int = 0
+    # How a family departs from Llama's layer (each family's reader in registry.py sets these):
+    qk_norm: bool = False  # an RMSNorm over each head's q and k before the rotary (Qwen3, Gemma 3)
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    embedding_multiplier: float = 1.0  # the embeddings' scale on the way in (Gemma: √hidden)
+    query_pre_attn_scalar: float | None = None  # scores are scaled by its -1/2 power; None: head_dim's
+    sandwich_norms: bool = False  # attention's and the MLP's outputs are normed too (Gemma 2, 3)
+    attn_logit_softcapping: float | None = None  # scores become cap·tanh(score / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # the same on the logits
+    sliding_window: int | None = None  # how many keys a local layer's query sees, its own included
+    layer_types: list[str] = field(default_factory=list)  # per layer, FULL or SLIDING; [] is all FULL
+    rope_local_theta: float | None = None  # local layers' rotary base, unscaled (Gemma 3); None: as global
+    # Mixture of experts (Mixtral, Qwen3-MoE): each token's MLP is the weighted sum of the
+    # `num_experts_per_tok` experts its router scores highest, of `num_experts` (0: a dense MLP).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's; 0: intermediate_size
+    norm_topk_prob: bool = True  # the chosen experts' weights renormalized to sum to 1
+    dense_layers: list[int] = field(default_factory=list)  # layers with a dense MLP all the same
 
     @property
     def is_diffusion(self) -> bool:
         return self.model_kind == "diffusion"
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer `layer` attends only to the last `sliding_window` keys."""
+        return bool(self.layer_types) and self.layer_types[layer] == SLIDING
 
     def __post_init__(self):
         if not self.head_dim:
@@ -51,6 +80,19 @@ class LlamaConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
+        if self.hidden_act not in ACTIVATIONS:
+            raise ModelLoadError(f"activation {self.hidden_act!r} is not supported: Kiln runs {', '.join(ACTIVATIONS)}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelLoadError(f"num_experts_per_tok={self.num_experts_per_tok} must be 1 to "
+                                 f"num_experts={self.num_experts}")
+        if not self.moe_intermediate_size:
+            self.moe_intermediate_size = self.intermediate_size
+        if self.layer_types:
+            if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - {FULL, SLIDING}:
+                raise ModelLoadError(f"layer_types must name {FULL!r} or {SLIDING!r} for each of the "
+                                     f"{self.num_hidden_layers} layers, not {self.layer_types}")
+            if SLIDING in self.layer_types and not self.sliding_window:
+                raise ModelLoadError("sliding-attention layers need a positive sliding_window")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -22,7 +22,7 @@ from .checkpoint import Checkpoint
 from .config import LlamaConfig
 from .gguf_blocks import BLOCK_TYPES, BlockWeight, read_blocks
 from .gguf_tokenizer import tokenizer_from_gguf
-from .registry import family_of_gguf
+from .registry import family_named, family_of_gguf
 from .rope import llama3_divisors
 
 
@@ -42,7 +42,14 @@ LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "attention_output_norm",
+    "post_ffw_norm": "mlp_output_norm",
 }
+# Turn-ending tokens llama.cpp also stops at, found by their text: a GGUF names no id for them
+# (Gemma's <end_of_turn>, Phi-3's <|end|>).
+END_OF_TURN_TEXTS = ("<end_of_turn>", "<|end|>")
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 
@@ -229,9 +236,10 @@ def _config_from_metadata(
         v = meta.get(f"tokenizer.ggml.{k}")
         if v is not None and int(v) not in eos_ids:
             eos_ids.append(int(v))
+    eos_ids += [i for i, text in enumerate(tokens) if text in END_OF_TURN_TEXTS and i not in eos_ids]
     bos = meta.get("tokenizer.ggml.bos_token_id")
 
-    return LlamaConfig(
+    fields = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length", required=True)),
@@ -250,7 +258,10 @@ def _config_from_metadata(
         architecture=family.name,
         model_kind=family.kind,
         name=str(meta.get("general.name") or name),
+        qk_norm=any(n.endswith("attn_q_norm.weight") for n in tensor_names),
+        sandwich_norms=any(n.endswith("post_attention_norm.weight") for n in tensor_names),
     )
+    return LlamaConfig(**fields | family.config_from_gguf(key, fields))
 
 
 def stored_quantization(tensor_types: list[str]) -> str:
@@ -341,6 +352,9 @@ def load_gguf(path: str | Path) -> Checkpoint:
         raise
     except Exception as e:
         raise ModelLoadError(f"{path}: cannot build the tokenizer from its metadata ({e})") from e
+    chat_template = family_named(config.architecture).chat_template
+    if chat_template and not tokenizer_config.get("chat_template"):
+        tokenizer_config["chat_template"] = chat_template
     return Checkpoint(
         config=config,
         tensors=tensors,
@@ -372,6 +386,11 @@ def _check_tensors(config: LlamaConfig, tensors: dict[str, np.ndarray], path: Pa
             p + "input_layernorm.weight": (c.hidden_size,),
             p + "post_attention_layernorm.weight": (c.hidden_size,),
         }
+        if c.qk_norm:
+            expected |= {p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)}
+        if c.sandwich_norms:
+            expected |= {p + "attention_output_norm.weight": (c.hidden_size,),
+                         p + "mlp_output_norm.weight": (c.hidden_size,)}
         if c.attention_bias:
             expected |= {
                 p + "self_attn.q_proj.bias": (q_rows,),

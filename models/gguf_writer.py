@@ -79,7 +79,7 @@ def write_gguf(checkpoint: Checkpoint, path: str | Path, dtype: str = "f32") -> 
         raise ValueError(f"dtype must be one of {WRITE_DTYPES}, not {dtype!r}")
     c = checkpoint.config
     arch = c.architecture
-    if arch not in ("llama", "qwen2"):
+    if arch not in ("llama", "qwen2", "qwen3"):
         raise ModelLoadError(f"cannot write architecture {arch!r} to GGUF")
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")

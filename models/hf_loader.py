@@ -16,7 +16,7 @@ from kiln.runtime.errors import ModelLoadError
 from kiln.runtime.sampling import model_generation_defaults
 
 from .checkpoint import Checkpoint
-from .config import LlamaConfig
+from .config import FULL, SLIDING, LlamaConfig
 
 
 def read_json(path: Path) -> dict:
@@ -33,16 +33,43 @@ def token_ids(value) -> list[int]:
     return [value] if isinstance(value, int) else list(value or [])
 
 
-def hf_llama_config(values: dict, name: str, architecture: str, attention_bias: bool) -> LlamaConfig:
-    """A Llama-layout family's config.json (Llama, Mistral, Qwen2) as a LlamaConfig;
-    `attention_bias`: whether its q/k/v carry a bias when config.json does not say."""
+def hf_llama_config(values: dict, name: str, architecture: str, attention_bias: bool, **decided) -> LlamaConfig:
+    """A Llama-layout family's config.json (Llama, Mistral, Qwen2 and their kin) as a LlamaConfig;
+    `attention_bias`: whether its q/k/v carry a bias when config.json does not say; `decided`:
+    the fields the family fixes."""
     return llama_config(values, name=name, architecture=architecture,
-                        attention_bias=values.get("attention_bias", attention_bias))
+                        attention_bias=values.get("attention_bias", attention_bias), **decided)
+
+
+def rope_settings(values: dict) -> dict:
+    """rope_theta, rope_scaling and rope_local_theta from config.json: top-level `rope_theta` and
+    `rope_scaling` (how checkpoints on the Hub write them), or transformers 5's `rope_parameters`,
+    one dict or one per layer type (Gemma 3: its full and sliding layers' bases)."""
+    parameters = values.get("rope_parameters")
+    local_theta = values.get("rope_local_base_freq")
+    if isinstance(parameters, dict) and FULL in parameters:
+        local_theta = (parameters.get(SLIDING) or {}).get("rope_theta", local_theta)
+        parameters = parameters[FULL]
+    if isinstance(parameters, dict):
+        theta = parameters.get("rope_theta", values.get("rope_theta", 10000.0))
+        scaling = {k: v for k, v in parameters.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    else:
+        theta, scaling = values.get("rope_theta", 10000.0), dict(values.get("rope_scaling") or {})
+    partial = (parameters or {}).get("partial_rotary_factor", values.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ModelLoadError(f"config.json's partial_rotary_factor {partial}: Kiln rotates whole heads only")
+    if scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        scaling = {}
+    elif "original_max_position_embeddings" in values:  # Phi-3 keeps it beside, not inside
+        scaling.setdefault("original_max_position_embeddings", values["original_max_position_embeddings"])
+    return dict(rope_theta=float(theta), rope_scaling=scaling or None,
+                rope_local_theta=None if local_theta is None else float(local_theta))
 
 
 def llama_config(values: dict, **decided) -> LlamaConfig:
     """A LlamaConfig from config.json fields in HF Llama/Qwen2 names; `decided` sets the
     fields the caller knows from the architecture (name, architecture, bias, diffusion)."""
+    layer_types = list(values.get("layer_types") or [])
     try:
         fields = dict(
             vocab_size=values["vocab_size"],
@@ -53,16 +80,16 @@ def llama_config(values: dict, **decided) -> LlamaConfig:
             num_key_value_heads=values.get("num_key_value_heads") or values["num_attention_heads"],
             head_dim=values.get("head_dim") or 0,
             rms_norm_eps=values.get("rms_norm_eps", 1e-6),
-            rope_theta=values.get("rope_theta", 10000.0),
-            rope_scaling=values.get("rope_scaling"),
             max_position_embeddings=values.get("max_position_embeddings", 2048),
             tie_word_embeddings=values.get("tie_word_embeddings", False),
             bos_token_id=values.get("bos_token_id"),
             eos_token_ids=token_ids(values.get("eos_token_id")),
+            layer_types=layer_types,
+            sliding_window=values.get("sliding_window") if SLIDING in layer_types else None,
         )
     except KeyError as error:
         raise ModelLoadError(f"config.json lacks {error.args[0]}") from None
-    return LlamaConfig(**(fields | decided))
+    return LlamaConfig(**(fields | rope_settings(values) | decided))
 
 
 def _safetensor_files(directory: Path) -> list[Path]:

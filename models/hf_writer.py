@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kiln.runtime.errors import ModelLoadError
+
 from .checkpoint import Checkpoint
 from .config import LlamaConfig
 from .registry import family_named
@@ -20,6 +22,8 @@ from .registry import family_named
 def hf_config_dict(config: LlamaConfig) -> dict:
     """config.json in Hugging Face's format for LlamaForCausalLM / Qwen2ForCausalLM."""
     family = family_named(config.architecture)
+    if family.name not in ("llama", "qwen2"):
+        raise ModelLoadError(f"Kiln writes HF directories of Llama and Qwen2 checkpoints, not {family.name}'s")
     qwen = family.name == "qwen2"
     eos = config.eos_token_ids
     d = {

@@ -4,7 +4,10 @@ Read it top to bottom: RMSNorm, rotary embeddings, grouped-query attention,
 SwiGLU. `forward_paged` is what the export traces (prefill and decode are the
 same function with T new tokens at `start_pos`); `forward_reference` is a plain
 pass with no cache, the yardstick for the tests. A diffusion LM (LLaDA, Dream) is the
-same math without the causal mask: every position sees every other one.
+same math without the causal mask: every position sees every other one. The other
+families are this layer with the departures LlamaConfig names: QK-norm (Qwen3, Gemma 3),
+GeGLU, scaled embeddings, norms after attention and the MLP, soft-capped scores and
+sliding-window layers with their own rotary base (Gemma 2, 3).
 
 Cache layout (the export/runtime contract, docs/abi.md): `cache[pages, page_elems]`,
 each page `[layers, 2 (k, v), kv_heads, block_seq_stride * head_dim]`: a K block is stored
@@ -20,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import LlamaConfig
+from .config import SLIDING, LlamaConfig
 from .quantize import QuantizedEmbedding, stacked_linear
 from .rope import llama3_divisors
 
@@ -41,19 +44,47 @@ class RMSNorm(nn.Module):
         return (x32 * self.weight.float()).to(x.dtype)
 
 
-def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
-    """Per-pair rotation speeds, with Llama-3's frequency-dependent scaling if configured."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+ROTARY_BUFFERS = ("inv_freq", "local_inv_freq", "long_inv_freq")
+
+
+def rope_type(config: LlamaConfig) -> str | None:
     scaling = config.rope_scaling or {}
-    rope_type = scaling.get("rope_type", scaling.get("type"))
-    if rope_type == "llama3":
+    return scaling.get("rope_type", scaling.get("type"))
+
+
+def rope_inverse_frequencies(config: LlamaConfig, local: bool = False, long: bool = False) -> torch.Tensor:
+    """Per-pair rotation speeds, with Llama-3's frequency-dependent scaling if configured;
+    `local`: the sliding layers' own unscaled base (Gemma 3's rope_local_base_freq); `long`:
+    LongRoPE's factors for sequences past the original context, else its short ones (Phi-3)."""
+    dim = config.head_dim
+    theta = config.rope_local_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = {} if local else config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":
         inv_freq = inv_freq / torch.from_numpy(llama3_divisors(inv_freq.numpy(), scaling))
-    elif rope_type == "linear":
+    elif kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
-    elif rope_type not in (None, "default"):
-        raise ValueError(f"unsupported rope scaling type {rope_type!r}")
+    elif kind in ("longrope", "su"):
+        factors = scaling["long_factor" if long else "short_factor"]
+        if len(factors) != dim // 2:
+            raise ValueError(f"LongRoPE has {len(factors)} factors for {dim // 2} rotary pairs")
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float64)
+    elif kind not in (None, "default"):
+        raise ValueError(f"unsupported rope scaling type {kind!r}")
     return inv_freq.float()
+
+
+def rope_attention_factor(config: LlamaConfig) -> float:
+    """What LongRoPE multiplies cos and sin by (1 for every other rotary), as transformers computes it."""
+    if rope_type(config) not in ("longrope", "su"):
+        return 1.0
+    scaling = config.rope_scaling
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+    return math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -61,12 +92,24 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap·tanh(x / cap): Gemma 2's bound on scores and logits (x itself when cap is None)."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
 class Attention(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    """`sliding`: a local layer's, whose queries see only the last `sliding_window` keys."""
+
+    def __init__(self, config: LlamaConfig, sliding: bool = False):
         super().__init__()
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.sliding = sliding
+        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
+        self.softcap = config.attn_logit_softcapping
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
@@ -86,8 +129,11 @@ class Attention(nn.Module):
             q, k, v = stacked_linear(projections, x).split(sizes, dim=-1)
         else:
             q, k, v = (p(x) for p in projections)
-        q = q.reshape(n, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.reshape(n, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = q.reshape(n, t, self.n_heads, self.head_dim)
+        k = k.reshape(n, t, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.reshape(n, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
@@ -99,7 +145,11 @@ class Attention(nn.Module):
         if group > 1:
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if self.softcap is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        else:
+            scores = soft_cap(torch.matmul(q, k.transpose(-1, -2)) * self.scale, self.softcap)
+            out = torch.matmul(torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1), v)
         n, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(n, t, self.n_heads * self.head_dim))
 
@@ -129,7 +179,7 @@ class Attention(nn.Module):
             q, bias = torch.cat((q, q), dim=2), torch.cat((bias, bias), dim=2)
         rows = q.shape[2]
         q = q.float().reshape(n, kv_heads, group * rows, d)
-        scores = torch.matmul(q, keys_t.float()) * (1.0 / math.sqrt(d))
+        scores = soft_cap(torch.matmul(q, keys_t.float()) * self.scale, self.softcap)
         scores = scores.view(n, kv_heads, group, rows, s) + bias.view(n, 1, 1, rows, s)
         blocks = scores.view(n, kv_heads, group, rows, s // block, block)
         weights = torch.exp(blocks - blocks.amax(dim=(-2, -1), keepdim=True))
@@ -154,18 +204,108 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gelu = config.hidden_act == "gelu_tanh"
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(activate(self.gate_proj(x), self.gelu) * self.up_proj(x))
+
+
+def activate(gate: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """A gated MLP's activation: GeGLU's tanh-approximate GELU, or SwiGLU's SiLU."""
+    return F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
+
+
+class Experts(nn.Module):
+    """Every expert's gated MLP, stacked: gate and up [E, I, H], down [E, H, I]."""
+
+    def __init__(self, experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.zeros(experts, intermediate, hidden))
+        self.up_proj = nn.Parameter(torch.zeros(experts, intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.zeros(experts, hidden, intermediate))
+
+
+class Router(nn.Linear):
+    """A mixture's router: its own type so the quantizer leaves it in float (quantize_model replaces
+    only nn.Linear itself). Rounded, it moves tokens to other experts, a jump rather than a small
+    error; llama.cpp and vLLM keep routers unquantized too."""
+
+
+def top_experts(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(probs, k) for routing probabilities [M, E] (non-negative), by k rounds of a max:
+    IREE 3.13 compiles aten.topk wrongly inside a whole model's prefill here (wrong experts picked,
+    though right in a module alone), and a max, a compare and a min compile right. A tie goes to
+    the lower index."""
+    index = torch.arange(probs.shape[-1])
+    weights, chosen, remaining = [], [], probs
+    for _ in range(k):
+        top = remaining.amax(dim=-1, keepdim=True)
+        first = torch.where(remaining == top, index, probs.shape[-1]).amin(dim=-1, keepdim=True)
+        weights.append(top)
+        chosen.append(first)
+        remaining = torch.where(index == first, -1.0, remaining)
+    return torch.cat(weights, dim=-1), torch.cat(chosen, dim=-1)
+
+
+class SparseMoE(nn.Module):
+    """A mixture of experts: a router (`gate`) scores the experts for each token, the top
+    `num_experts_per_tok` by softmax run, and their outputs are summed by those weights
+    (renormalized to 1 where the family does so), as Mixtral and Qwen3-MoE compute it.
+
+    The experts run as a few batched matmuls, never one call per expert: a decode step gathers
+    each token's chosen experts' weights and multiplies by them alone (it reads k experts per
+    token, which is what bounds a step); a prefill multiplies every token by every expert and
+    weighs each result by the routing, zero for an expert not chosen (more arithmetic, but
+    static shapes and no per-expert dispatch)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.gate = Router(config.hidden_size, config.num_experts, bias=False)
+        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
+        self.gelu = config.hidden_act == "gelu_tanh"
+
+    def routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [M,k] in x's dtype, experts [M,k]) for tokens x [M,H]."""
+        weights, chosen = top_experts(torch.softmax(self.gate(x).float(), dim=-1), self.top_k)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), chosen
+
+    def forward(self, x):
+        n, t, hidden = x.shape
+        tokens = x.reshape(n * t, hidden)
+        weights, chosen = self.routing(tokens)
+        e = self.experts
+        if t == 1:
+            column = tokens.view(n, 1, hidden, 1)
+            gate = torch.matmul(e.gate_proj[chosen], column)  # [M,k,I,1]
+            up = torch.matmul(e.up_proj[chosen], column)
+            out = torch.matmul(e.down_proj[chosen], activate(gate, self.gelu) * up).squeeze(-1)  # [M,k,H]
+            out = (out * weights.unsqueeze(-1)).sum(dim=1)
+        else:
+            gate = torch.matmul(tokens, e.gate_proj.transpose(1, 2))  # [E,M,I]
+            up = torch.matmul(tokens, e.up_proj.transpose(1, 2))
+            out = torch.matmul(activate(gate, self.gelu) * up, e.down_proj.transpose(1, 2))  # [E,M,H]
+            experts = torch.arange(e.gate_proj.shape[0]).view(1, 1, -1)
+            dense = ((chosen.unsqueeze(-1) == experts).to(x.dtype) * weights.unsqueeze(-1)).sum(dim=1)  # [M,E]
+            out = (out * dense.t().unsqueeze(-1)).sum(dim=0)
+        return out.view(n, t, hidden)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    """Llama's names: `post_attention_layernorm` is the norm before the MLP. With sandwich norms
+    (Gemma's), attention's and the MLP's outputs are normed before they join the residual too."""
+
+    def __init__(self, config: LlamaConfig, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, config.is_sliding(index))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = SparseMoE(config) if config.is_moe(index) else MLP(config)
+        sandwich = config.sandwich_norms
+        self.attention_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else nn.Identity()
+        self.mlp_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else nn.Identity()
 
 
 class Backbone(nn.Module):
@@ -174,7 +314,7 @@ class Backbone(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -201,8 +341,16 @@ class PagedLlama(nn.Module):
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        # Not a parameter: a small constant folded into the program.
+        # Not parameters: small constants folded into the program.
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+        local = rope_inverse_frequencies(config, local=True) if config.rope_local_theta is not None else None
+        self.register_buffer("local_inv_freq", local, persistent=False)
+        # LongRoPE: a sequence longer than the original context rotates by its long factors.
+        longrope = rope_type(config) in ("longrope", "su")
+        long = rope_inverse_frequencies(config, long=True) if longrope else None
+        self.register_buffer("long_inv_freq", long, persistent=False)
+        self.long_rope_from = config.rope_scaling["original_max_position_embeddings"] if longrope else None
+        self.rotary_factor = rope_attention_factor(config)
 
     # -- sizes -------------------------------------------------------------------------
     @property
@@ -219,42 +367,65 @@ class PagedLlama(nn.Module):
         if self.lm_head is None:
             state.pop("lm_head.weight", None)
         missing, unexpected = self.load_state_dict(state, strict=False)
-        missing = [m for m in missing if m != "inv_freq"]
+        missing = [m for m in missing if m not in ROTARY_BUFFERS]
         if missing or unexpected:
             raise ValueError(f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
         self.to(dtype)
-        self.inv_freq = self.inv_freq.float()
+        for name in ROTARY_BUFFERS:
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).float())
         return self
 
     # -- shared pieces -----------------------------------------------------------------
-    def rotary(self, positions: torch.Tensor, dtype):
-        """cos, sin [N,1,T,D] for integer positions [N,T]."""
-        freqs = positions.unsqueeze(-1).float() * self.inv_freq
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(tokens)
+        multiplier = self.config.embedding_multiplier
+        # In the embeddings' dtype, as Gemma scales them.
+        return h if multiplier == 1.0 else h * torch.tensor(multiplier, dtype=h.dtype)
+
+    def rotary(self, positions: torch.Tensor, dtype, seq_lens: torch.Tensor, local: bool = False):
+        """cos, sin [N,1,T,D] for integer positions [N,T] of rows holding seq_lens [N] tokens;
+        `local`: with the sliding layers' base."""
+        inv_freq = self.local_inv_freq if local else self.inv_freq
+        if self.long_inv_freq is not None and not local:
+            # As transformers decides it: by the whole sequence's length, per row here.
+            longer = (seq_lens > self.long_rope_from).view(-1, 1, 1)
+            inv_freq = torch.where(longer, self.long_inv_freq, inv_freq)
+        freqs = positions.unsqueeze(-1).float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.rotary_factor != 1.0:  # LongRoPE's attention factor
+            cos, sin = cos * self.rotary_factor, sin * self.rotary_factor
+        return cos.to(dtype), sin.to(dtype)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         h = self.model.norm(h)
         if self.lm_head is not None:
-            return self.lm_head(h).float()
-        embedding = self.model.embed_tokens  # tied: the embedding's rows are the output head's
-        if isinstance(embedding, QuantizedEmbedding):
-            return embedding.project(h)
-        return F.linear(h, embedding.weight).float()
+            logits = self.lm_head(h).float()
+        elif isinstance(self.model.embed_tokens, QuantizedEmbedding):
+            logits = self.model.embed_tokens.project(h)  # tied: the embedding's rows are the output head's
+        else:
+            logits = F.linear(h, self.model.embed_tokens.weight).float()
+        return soft_cap(logits, self.config.final_logit_softcapping)
 
     # -- reference: plain attention (causal unless a diffusion LM), no cache -----------
     def forward_reference(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits [N,T,V] of a full pass (every row is a whole sequence)."""
         n, t = tokens.shape
-        h = self.model.embed_tokens(tokens)
+        h = self.embed(tokens)
         positions = torch.arange(t).unsqueeze(0).expand(n, t)
-        cos, sin = self.rotary(positions, h.dtype)
+        lengths = torch.full((n,), t)
+        rotary = {False: self.rotary(positions, h.dtype, lengths)}
+        rotary[True] = rotary[False] if self.local_inv_freq is None else self.rotary(positions, h.dtype, lengths, True)
         mask = torch.ones(t, t, dtype=torch.bool)
         mask = (mask.tril() if self.causal else mask).view(1, 1, t, t)
+        window = self.config.sliding_window or t
+        masks = {False: mask, True: mask & (torch.arange(t).view(1, t) > torch.arange(t).view(t, 1) - window)}
         for layer in self.model.layers:
-            q, k, v = layer.self_attn.project(layer.input_layernorm(h), cos, sin)
-            h = h + layer.self_attn.attend(q, k, v, mask)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            attn = layer.self_attn
+            q, k, v = attn.project(layer.input_layernorm(h), *rotary[attn.sliding])
+            h = h + layer.attention_output_norm(attn.attend(q, k, v, masks[attn.sliding]))
+            h = h + layer.mlp_output_norm(layer.mlp(layer.post_attention_layernorm(h)))
         return self.logits(h)
 
     # -- paged: what prefill_bs<N> and decode_bs<N> run --------------------------------
@@ -274,23 +445,30 @@ class PagedLlama(nn.Module):
         seq_len, the cached ones past the window included (Fast-dLLM's dual cache).
         """
         c = self.config
-        h = self.model.embed_tokens(tokens)
+        h = self.embed(tokens)
         step = PagedStep.of(self, tokens, start_pos, seq_lens, seq_block_ids, h.dtype)
         pages = CachePages(cache, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.block_seq_stride)
         for index, layer in enumerate(self.model.layers):
-            h = h + pages.attend(layer.self_attn, index, layer.input_layernorm(h), step, self.gather_pages,
-                                 self.decode_attention)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            out = pages.attend(layer.self_attn, index, layer.input_layernorm(h), step, self.gather_pages,
+                               self.decode_attention)
+            h = h + layer.attention_output_norm(out)
+            h = h + layer.mlp_output_norm(layer.mlp(layer.post_attention_layernorm(h)))
         return h
 
 
 class PagedStep:
     """What every layer of one paged call shares: rotary tables, where each new token's K/V go,
-    and which cached keys each query may see. Tensors, so a multi-device export can move them."""
+    and which cached keys each query may see. Tensors, so a multi-device export can move them.
+    A model with sliding-window layers has `local`: those layers' (cos, sin, bias)."""
 
-    def __init__(self, cos, sin, write_page, write_slot, bias, visible, seq_block_ids, stride: int):
+    def __init__(self, cos, sin, write_page, write_slot, bias, visible, seq_block_ids, stride: int, local=None):
         self.cos, self.sin, self.write_page, self.write_slot = cos, sin, write_page, write_slot
         self.bias, self.visible, self.seq_block_ids, self.stride = bias, visible, seq_block_ids, stride
+        self.local = local
+
+    def view(self, sliding: bool) -> tuple:
+        """(cos, sin, bias) of a layer, sliding or not."""
+        return self.local if sliding else (self.cos, self.sin, self.bias)
 
     @classmethod
     def of(cls, model: "PagedLlama", tokens, start_pos, seq_lens, seq_block_ids, dtype) -> "PagedStep":
@@ -298,7 +476,7 @@ class PagedStep:
         n, t = tokens.shape
         blocks = seq_block_ids.shape[1]
         positions = start_pos.unsqueeze(1) + torch.arange(t).unsqueeze(0)  # [N,T]
-        cos, sin = model.rotary(positions, dtype)
+        cos, sin = model.rotary(positions, dtype, seq_lens)
         # Where each new token's K/V goes: page, slot within the page.
         live = positions < seq_lens.unsqueeze(1)
         block_index = torch.clamp(positions // stride, max=blocks - 1)
@@ -314,12 +492,20 @@ class PagedStep:
         bias = (hidden.float() * MASKED_SCORE).unsqueeze(1)  # [N,1,T,B*stride]
         # The same for a one-token step as a count: its query sees the first `visible` keys.
         visible = torch.clamp(last_visible[:, 0, 0] + 1, min=0, max=blocks * stride)  # [N]
-        return cls(cos, sin, write_page, write_slot, bias, visible, seq_block_ids, stride)
+        local = None
+        if SLIDING in model.config.layer_types:
+            # A local layer's query also may not look at keys `sliding_window` or more behind it.
+            too_old = (positions.unsqueeze(-1) - model.config.sliding_window + 1 - key_pos).clamp(0, 1)
+            local_bias = ((hidden + too_old).clamp(0, 1).float() * MASKED_SCORE).unsqueeze(1)
+            local_rotary = (cos, sin) if model.local_inv_freq is None else model.rotary(positions, dtype, seq_lens, local=True)
+            local = (*local_rotary, local_bias)
+        return cls(cos, sin, write_page, write_slot, bias, visible, seq_block_ids, stride, local)
 
     def moved(self, move) -> "PagedStep":
         """The same step with every tensor passed through `move` (a transfer to a device)."""
+        local = None if self.local is None else tuple(move(x) for x in self.local)
         return PagedStep(*(move(x) for x in (self.cos, self.sin, self.write_page, self.write_slot, self.bias,
-                                              self.visible, self.seq_block_ids)), self.stride)
+                                              self.visible, self.seq_block_ids)), self.stride, local)
 
 
 class CachePages:
@@ -347,7 +533,8 @@ class CachePages:
         one-token step reads the pages in place through `decode_attention` when one is given."""
         layers, kv_heads, head_dim, stride = self.layers, self.kv_heads, self.head_dim, self.stride
         n, blocks = step.seq_block_ids.shape
-        q, k, v = attn.project(x, step.cos, step.sin)
+        cos, sin, bias = step.view(attn.sliding)
+        q, k, v = attn.project(x, cos, sin)
         slot = step.write_slot.unsqueeze(1)  # [N,1,T]
         key_page = ((step.write_page * layers + layer) * 2).unsqueeze(1) * kv_heads + self.head  # [N,Hkv,T]
         key_elems = (key_page * (head_dim * stride) + slot).unsqueeze(-1) + self.key_dim_offset
@@ -356,10 +543,12 @@ class CachePages:
         self.value_rows.index_put_((value_page * stride + slot,), v.to(self.flat.dtype))  # rows [N,Hkv,T]
         # The K page of each (row, head, block); its V page follows kv_heads pages later.
         read = ((step.seq_block_ids * layers + layer) * 2).unsqueeze(1) * kv_heads + self.head  # [N,Hkv,B]
-        if decode_attention is not None and q.shape[2] == 1:
-            scaled = q[:, :, 0].float() * (1.0 / math.sqrt(head_dim))
+        # The in-place decode kernel reads a prefix of the keys with plain scores: local layers'
+        # windows and capped scores take the gathered path.
+        if decode_attention is not None and q.shape[2] == 1 and not attn.sliding and attn.softcap is None:
+            scaled = q[:, :, 0].float() * attn.scale
             out = decode_attention(scaled, self.key_pages, read, step.visible)  # [N,H,D]
             return attn.o_proj(out.reshape(n, 1, -1).to(q.dtype))
         keys_t = gather_pages(self.key_pages, read).permute(0, 1, 3, 2, 4).reshape(n, kv_heads, head_dim, blocks * stride)
         values = gather_pages(self.value_pages, read + kv_heads).view(n, kv_heads, blocks * stride, head_dim)
-        return attn.attend_paged(q, keys_t, values, step.bias, stride)
+        return attn.attend_paged(q, keys_t, values, bias, stride)

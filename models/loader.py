@@ -10,6 +10,7 @@ from .checkpoint import Checkpoint
 from .default_model import DEFAULT_MODEL_GENERATION_DEFAULTS, DEFAULT_MODEL_NAME, default_model_path
 from .gguf_loader import load_gguf
 from .hf_loader import checkpoint_with_tokenizer, read_json, read_safetensors
+from .packaged import PACKAGED, resolve_model_path
 from .registry import family_of_hf
 
 
@@ -20,9 +21,10 @@ def load_checkpoint(path: str | Path | None = None) -> Checkpoint:
         checkpoint.config.name = DEFAULT_MODEL_NAME
         checkpoint.generation_defaults = checkpoint.generation_defaults or dict(DEFAULT_MODEL_GENERATION_DEFAULTS)
         return checkpoint
-    path = Path(path)
+    path = resolve_model_path(path)
     if not path.exists():
-        raise ModelLoadError(f"model path {path} does not exist")
+        known = ", ".join(PACKAGED)
+        raise ModelLoadError(f"model path {path} does not exist (nor is it a packaged model's name: {known})")
     if path.is_dir():
         return load_hf_directory(path)
     if path.suffix.lower() == ".gguf":
@@ -36,4 +38,4 @@ def load_hf_directory(directory: Path) -> Checkpoint:
     family = family_of_hf(values)
     config = family.config_from_hf(values, directory.name)
     config.architecture, config.model_kind = family.name, family.kind
-    return checkpoint_with_tokenizer(directory, config, family.tensors_from_hf(read_safetensors(directory)))
+    return checkpoint_with_tokenizer(directory, config, family.tensors_from_hf(read_safetensors(directory), config))

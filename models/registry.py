@@ -21,6 +21,9 @@ from kiln.runtime.errors import ModelLoadError
 
 from .config import LlamaConfig
 from .diffusion_loader import dream_config, llada_config, llada_tensors
+from .families import (GEMMA_CHAT_TEMPLATE, gemma2_config, gemma3_config, gemma3_gguf_config, gemma_tensors,
+                       mixtral_config, mixtral_tensors, phi3_config, phi3_tensors, qwen3_config, qwen3_moe_config,
+                       qwen3_moe_tensors)
 from .hf_loader import hf_llama_config, hf_llama_tensors
 
 AUTOREGRESSIVE = "autoregressive"  # KilnParams.model_kind's default; DIFFUSION is the contract's other kind
@@ -34,8 +37,12 @@ class ModelFamily:
     gguf_architecture: str | None  # a GGUF's general.architecture (None: no GGUF form)
     kind: str  # the sidecar's model_kind: AUTOREGRESSIVE or DIFFUSION
     config_from_hf: Callable[[dict, str], LlamaConfig]  # (config.json, the model's name)
-    tensors_from_hf: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]  # to Kiln's names
+    tensors_from_hf: Callable[[dict[str, np.ndarray], LlamaConfig], dict[str, np.ndarray]]  # to Kiln's names
     module: str = "kiln.models.llama:PagedLlama"  # what the export builds, as "module:class"
+    # The LlamaConfig fields a GGUF of the family implies beyond the common ones, from (its
+    # metadata by key under the architecture's prefix, the common fields read so far).
+    config_from_gguf: Callable[[Callable, dict], dict] = lambda key, fields: {}
+    chat_template: str | None = None  # the family's, for a checkpoint that carries none (a GGUF of a base model)
 
     def module_class(self) -> type:
         """The torch module the export builds (imported here, on first use: it needs torch)."""
@@ -43,13 +50,26 @@ class ModelFamily:
         return getattr(import_module(module), name)
 
 
+def _renamed(tensors: dict[str, np.ndarray], config: LlamaConfig) -> dict[str, np.ndarray]:
+    return hf_llama_tensors(tensors)
+
+
 FAMILIES = (
     ModelFamily("llama", ("LlamaForCausalLM", "MistralForCausalLM"), (), "llama", AUTOREGRESSIVE,
-                lambda values, name: hf_llama_config(values, name, "llama", attention_bias=False), hf_llama_tensors),
+                lambda values, name: hf_llama_config(values, name, "llama", attention_bias=False), _renamed),
     ModelFamily("qwen2", ("Qwen2ForCausalLM",), (), "qwen2", AUTOREGRESSIVE,
-                lambda values, name: hf_llama_config(values, name, "qwen2", attention_bias=True), hf_llama_tensors),
-    ModelFamily("llada", ("LLaDAModelLM",), ("llada",), None, DIFFUSION, llada_config, llada_tensors),
-    ModelFamily("dream", ("DreamModel",), ("dream",), None, DIFFUSION, dream_config, dict),
+                lambda values, name: hf_llama_config(values, name, "qwen2", attention_bias=True), _renamed),
+    ModelFamily("qwen3", ("Qwen3ForCausalLM",), (), "qwen3", AUTOREGRESSIVE, qwen3_config, _renamed),
+    ModelFamily("qwen3_moe", ("Qwen3MoeForCausalLM",), (), None, AUTOREGRESSIVE, qwen3_moe_config,
+                qwen3_moe_tensors),
+    ModelFamily("mixtral", ("MixtralForCausalLM",), (), None, AUTOREGRESSIVE, mixtral_config, mixtral_tensors),
+    ModelFamily("phi3", ("Phi3ForCausalLM",), (), None, AUTOREGRESSIVE, phi3_config, phi3_tensors),
+    ModelFamily("gemma2", ("Gemma2ForCausalLM",), (), None, AUTOREGRESSIVE, gemma2_config, gemma_tensors),
+    ModelFamily("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), "gemma3", AUTOREGRESSIVE, gemma3_config,
+                gemma_tensors, config_from_gguf=gemma3_gguf_config, chat_template=GEMMA_CHAT_TEMPLATE),
+    ModelFamily("llada", ("LLaDAModelLM",), ("llada",), None, DIFFUSION, llada_config,
+                lambda tensors, config: llada_tensors(tensors)),
+    ModelFamily("dream", ("DreamModel",), ("dream",), None, DIFFUSION, dream_config, lambda tensors, config: tensors),
 )
 
 

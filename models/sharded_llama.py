@@ -17,6 +17,7 @@ get the device's affinity), and `to_device` marks each tensor that moves (IREE's
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import torch
@@ -27,7 +28,7 @@ from torch import nn
 from kiln.runtime.device_layout import DeviceLayout
 
 from .config import LlamaConfig
-from .llama import MLP, Attention, CachePages, PagedLlama, PagedStep
+from .llama import MLP, ROTARY_BUFFERS, Attention, CachePages, PagedLlama, PagedStep, SparseMoE
 
 
 def to_device(tensor: torch.Tensor, device: int) -> torch.Tensor:
@@ -52,7 +53,8 @@ def rank_config(config: LlamaConfig, ranks: int) -> LlamaConfig:
     """One rank's share of a layer: its heads and MLP columns (the head size unchanged)."""
     return replace(config, num_attention_heads=config.num_attention_heads // ranks,
                    num_key_value_heads=config.num_key_value_heads // ranks,
-                   intermediate_size=config.intermediate_size // ranks)
+                   intermediate_size=config.intermediate_size // ranks,
+                   moe_intermediate_size=config.moe_intermediate_size // ranks)
 
 
 def attention_shard(attn: Attention, config: LlamaConfig, rank: int) -> Attention:
@@ -65,14 +67,24 @@ def attention_shard(attn: Attention, config: LlamaConfig, rank: int) -> Attentio
     def rows(projection: nn.Linear, part: slice) -> nn.Linear:
         return _linear(projection.weight[part], None if projection.bias is None else projection.bias[part])
 
-    shard = Attention(config)
+    shard = Attention(config, attn.sliding)
+    shard.q_norm, shard.k_norm = copy.deepcopy(attn.q_norm), copy.deepcopy(attn.k_norm)  # per head: every rank's own copy
     shard.q_proj, shard.k_proj, shard.v_proj = rows(attn.q_proj, q_rows), rows(attn.k_proj, kv_rows), rows(attn.v_proj, kv_rows)
     shard.o_proj = _linear(attn.o_proj.weight[:, q_rows])
     return shard
 
 
-def mlp_shard(mlp: MLP, config: LlamaConfig, rank: int) -> MLP:
-    """Rank `rank`'s MLP columns: gate/up rows and the matching down-projection columns."""
+def mlp_shard(mlp: MLP | SparseMoE, config: LlamaConfig, rank: int) -> MLP | SparseMoE:
+    """Rank `rank`'s MLP columns: gate/up rows and the matching down-projection columns; for a
+    mixture of experts, those of every expert, the router whole on every rank."""
+    if isinstance(mlp, SparseMoE):
+        part = slice(rank * config.moe_intermediate_size, (rank + 1) * config.moe_intermediate_size)
+        shard = copy.deepcopy(mlp)
+        e = mlp.experts
+        shard.experts.gate_proj = nn.Parameter(e.gate_proj[:, part].clone())
+        shard.experts.up_proj = nn.Parameter(e.up_proj[:, part].clone())
+        shard.experts.down_proj = nn.Parameter(e.down_proj[:, :, part].clone())
+        return shard
     part = slice(rank * config.intermediate_size, (rank + 1) * config.intermediate_size)
     shard = MLP(config)
     shard.gate_proj, shard.up_proj = _linear(mlp.gate_proj.weight[part]), _linear(mlp.up_proj.weight[part])
@@ -90,6 +102,8 @@ class ShardedLayer(nn.Module):
         share = rank_config(config, layout.tensor_parallel)
         self.input_layernorm = _place(layer.input_layernorm, lead)
         self.post_attention_layernorm = _place(layer.post_attention_layernorm, lead)
+        self.attention_output_norm = _place(layer.attention_output_norm, lead)
+        self.mlp_output_norm = _place(layer.mlp_output_norm, lead)
         self.attention = nn.ModuleList(_place(attention_shard(layer.self_attn, share, r), layout.device(stage, r))
                                        for r in ranks)
         self.mlp = nn.ModuleList(_place(mlp_shard(layer.mlp, share, r), layout.device(stage, r)) for r in ranks)
@@ -106,6 +120,9 @@ class ShardedPagedLlama(nn.Module):
         self.model = model.model  # embeddings and final norm stay on device 0, under their own names
         self.lm_head = model.lm_head
         self.register_buffer("inv_freq", model.inv_freq, persistent=False)
+        for name in ROTARY_BUFFERS[1:]:
+            self.register_buffer(name, getattr(model, name), persistent=False)
+        self.long_rope_from, self.rotary_factor = model.long_rope_from, model.rotary_factor
         self.stage_layers = layout.stage_layers(c.num_hidden_layers)
         self.stages = nn.ModuleList(
             nn.ModuleList(ShardedLayer(model.model.layers[i], c, layout, stage) for i in layers)
@@ -116,7 +133,8 @@ class ShardedPagedLlama(nn.Module):
         if self.lm_head is not None:
             _place(self.lm_head, 0)
 
-    # The rotary tables and the output head are PagedLlama's, over the same attributes.
+    # The embedding, rotary tables and output head are PagedLlama's, over the same attributes.
+    embed = PagedLlama.embed
     rotary = PagedLlama.rotary
     logits = PagedLlama.logits
 
@@ -131,7 +149,7 @@ class ShardedPagedLlama(nn.Module):
         """PagedLlama.forward_paged over the layout's devices; hidden states [N,T,hidden] on device 0."""
         c, layout = self.config, self.layout
         local_heads = c.num_key_value_heads // layout.tensor_parallel
-        h = self.model.embed_tokens(tokens)
+        h = self.embed(tokens)
         step = PagedStep.of(self, tokens, start_pos, seq_lens, seq_block_ids, h.dtype)
         steps = {0: step}
 
@@ -151,10 +169,10 @@ class ShardedPagedLlama(nn.Module):
                 x = layer.input_layernorm(h)
                 partials = [pages[r].attend(attn, index, on(d, x, lead), steps[d], self.gather_pages)
                             for r, (d, attn) in enumerate(zip(devices, layer.attention))]
-                h = h + self._reduce(partials, devices, lead)
+                h = h + layer.attention_output_norm(self._reduce(partials, devices, lead))
                 x = layer.post_attention_layernorm(h)
                 partials = [mlp(on(d, x, lead)) for d, mlp in zip(devices, layer.mlp)]
-                h = h + self._reduce(partials, devices, lead)
+                h = h + layer.mlp_output_norm(self._reduce(partials, devices, lead))
         return on(0, h, where)
 
     @staticmethod

@@ -1,7 +1,9 @@
 """Render a conversation with the model's chat template (tokenizer_config.json's, in jinja2).
 
 HF templates expect `messages`, `add_generation_prompt`, the special tokens by
-name and `raise_exception`; content may be a string or a list of text parts.
+name and `raise_exception`; content may be a string or a list of text parts. With
+`continue_final_message` the conversation ends inside its last message, for the model to
+go on with it (a prefilled answer), as transformers' apply_chat_template does it.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def render_chat_template(
     messages: list[dict],
     add_generation_prompt: bool = True,
     template: str | None = None,
+    continue_final_message: bool = False,
     **extra: Any,
 ) -> str:
     source = template or tokenizer_config.get("chat_template")
@@ -74,7 +77,7 @@ def render_chat_template(
         raise ChatTemplateError("this model has no chat template: use the completions API or pass a template")
     normalized = [{**m, "content": flatten_content(m.get("content"))} for m in messages]
     try:
-        return _compile(source).render(
+        rendered = _compile(source).render(
             messages=normalized,
             add_generation_prompt=add_generation_prompt,
             bos_token=_token_text(tokenizer_config.get("bos_token")),
@@ -85,3 +88,24 @@ def render_chat_template(
         raise
     except jinja2.TemplateError as error:
         raise ChatTemplateError(f"the chat template failed: {error}") from None
+    return cut_after_final_message(rendered, normalized[-1]["content"]) if continue_final_message else rendered
+
+
+def cut_after_final_message(rendered: str, final: str) -> str:
+    """The rendered chat up to the end of the final message's text, so what the template wrote
+    after it (the end of the turn) is gone and the model continues the message instead.
+
+    The text is found from the end of the chat; a template may trim the message's whitespace,
+    so it is looked for stripped, and kept with its trailing whitespace only where the
+    template kept it too (transformers' rule)."""
+    if not final.strip():
+        raise ChatTemplateError("continue_final_message needs text to continue in the final message; to start "
+                                "a new assistant message, use add_generation_prompt instead")
+    at = rendered.rfind(final.strip())
+    if at < 0:
+        raise ChatTemplateError("continue_final_message: the chat template does not write the final message's "
+                                "text as given, so there is no place to continue it from")
+    kept = final.lstrip()
+    if rendered[at:at + len(kept)] == kept:
+        return rendered[:at + len(kept)]
+    return rendered[:at + len(final.strip())]

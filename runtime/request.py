@@ -25,7 +25,7 @@ from .kvcache.base import PageAllocation
 from .sampling import SamplingParams, make_generator
 
 if TYPE_CHECKING:
-    from .grammar import TokenMatcher
+    from .grammar import MatcherAfterMarker, TokenMatcher
 
 _sequence_ids = itertools.count()
 
@@ -120,7 +120,8 @@ class Request:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first sequence)
     forward_passes: int = 0  # a diffusion LM's passes over this request's sequences (its NFE)
     canvas_tokens: int = 0  # a diffusion LM's canvas per sequence: max_tokens rounded up to whole blocks
-    matchers: list[TokenMatcher] = field(default_factory=list, repr=False)  # structured output: one per sequence
+    # Structured output: one matcher per sequence.
+    matchers: list[TokenMatcher | MatcherAfterMarker] = field(default_factory=list, repr=False)
     mode: str = ""  # the generation mode that runs it, named when submitted
     mode_state: RequestState = field(default_factory=RequestState, repr=False)
     # time.monotonic() when submitted, and when its first sequence was admitted to run: the
@@ -164,7 +165,7 @@ class Sequence:
         self.last_served = 0  # when it was last in a decode batch (the scheduler's counter)
         self.mode_state: SequenceModeState | None = None  # its mode's own (a diffusion canvas, once admitted)
         # Structured output: its grammar's matcher, which the sampler consults.
-        self.matcher: TokenMatcher | None = request.matchers[index] if request.matchers else None
+        self.matcher: TokenMatcher | MatcherAfterMarker | None = request.matchers[index] if request.matchers else None
 
     # -- where the sequence stands ------------------------------------------------------
     @property

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class StreamOptions(BaseModel):
@@ -114,10 +114,13 @@ class ChatCompletionRequest(OpenAISampling):
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
-    # vLLM's extras for the template.
+    # vLLM's extras for the template: continue_final_message leaves the last (assistant) message
+    # open for the model to go on with, instead of starting a new one.
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
+    include_reasoning: bool = True  # vLLM's: false leaves reasoning_content out (with --reasoning-parser)
 
 
 # -- OpenAI's Responses API (/v1/responses) ------------------------------------------------------
@@ -181,6 +184,17 @@ class ResponsesRequest(BaseModel):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_reasoning_items(cls, data: Any) -> Any:
+        """An earlier reply's `reasoning` items, which OpenAI's clients send back with the
+        conversation, are accepted and left out: chat templates drop earlier turns' thinking."""
+        if isinstance(data, dict) and isinstance(data.get("input"), list):
+            kept = [item for item in data["input"] if not (isinstance(item, dict) and item.get("type") == "reasoning")]
+            if len(kept) != len(data["input"]):
+                data = {**data, "input": kept}
+        return data
 
 
 # -- shortfin's /generate (shortfin_apps/llm/components/io_struct.py) -----------------------
@@ -260,6 +274,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 

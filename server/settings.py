@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .reasoning import reasoning_parser
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -23,6 +25,9 @@ class ServerSettings:
     model_aliases: tuple[str, ...] = ()
     chat_template: str | None = None  # overrides tokenizer_config.json's
     tool_call_parser: str = "auto"  # how tool calls are written: server/tool_calls.py's PARSERS
+    # How a reasoning model's thinking is split from its answer on chat (server/reasoning.py's
+    # PARSERS); None: not split, the reply is all content.
+    reasoning_parser: str | None = None
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     cors_origins: tuple[str, ...] = ()
     rate_limit: float = 0.0  # requests per second per API key (or client address); 0: off
@@ -36,6 +41,9 @@ class ServerSettings:
     keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
     max_connections: int = 1024  # connections (and WebSockets) at once; beyond it, 503
     log_requests: bool = True
+
+    def __post_init__(self):
+        reasoning_parser(self.reasoning_parser)  # an unknown name fails here, naming the choices
 
     @property
     def model_name(self) -> str:

@@ -40,7 +40,7 @@ def forward(model: PagedLlama, tokens: torch.Tensor, start: int, end: int, cache
     list of per-layer (K, V) [1, Hkv, L, D], as a full pass returns). Returns (logits, K/V)."""
     window = tokens[:, start:end]
     h = model.model.embed_tokens(window)
-    cos, sin = model.rotary(torch.arange(start, end).unsqueeze(0), h.dtype)
+    cos, sin = model.rotary(torch.arange(start, end).unsqueeze(0), h.dtype, torch.tensor([tokens.shape[1]]))
     layers_kv = []
     for index, layer in enumerate(model.model.layers):
         attn = layer.self_attn

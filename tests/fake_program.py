@@ -106,9 +106,13 @@ class FakeProgram:
                 cache[table[row, position // stride], position % stride] = tokens[row, offset]
             prefix = [int(cache[table[row, p // stride], p % stride]) for p in range(end)]
             if last_only:
-                out[row, 0] = _logits(prefix)
+                out[row, 0] = self.logits(prefix)
             else:
                 for offset in range(end - start):
-                    out[row, offset] = _logits(prefix[: start + offset + 1])
+                    out[row, offset] = self.logits(prefix[: start + offset + 1])
         cache[0] = -1  # page 0 is the padding page: whatever was written there is garbage
         return out
+
+    def logits(self, prefix: list[int]) -> np.ndarray:
+        """The row of logits after `prefix` (a subclass may script other replies)."""
+        return _logits(prefix)

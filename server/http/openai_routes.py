@@ -21,8 +21,9 @@ from ..errors import error_body, failure_of
 from ..generation import Choice, Generation, admit, rest_of_context
 from ..logprobs import TokenText, chat_logprobs, completion_logprobs, join_completion_logprobs
 from ..params import check_logprobs, openai_params
-from ..prompts import chat_ids, encode
+from ..prompts import ChatPrompt, chat_ending, chat_prompt_of, encode
 from ..protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAISampling
+from ..reasoning import ReplyReasoning, reasoning_fields, reasoning_parser
 from ..settings import ServerSettings
 from ..tool_calls import StreamedContent, Tools, choose_parser
 from ..tool_calls import parse as parse_tool_calls
@@ -188,7 +189,7 @@ class CompletionView:
 
 # -- /v1/chat/completions -------------------------------------------------------------------
 async def chat_prompt(service: GenerateService, body: ChatCompletionRequest, settings: ServerSettings,
-                      tools: Tools | None) -> list[int]:
+                      tools: Tools | None) -> ChatPrompt:
     if body.functions:
         raise InvalidRequestError("functions is OpenAI's deprecated form: pass tools", param="functions")
     kwargs, messages = dict(body.chat_template_kwargs or {}), list(body.messages)
@@ -196,8 +197,8 @@ async def chat_prompt(service: GenerateService, body: ChatCompletionRequest, set
         kwargs["tools"] = list(tools.declared)
         if "tools" not in chat_template_of(service, settings):  # a template that cannot show them
             messages.insert(0, ChatMessage(role="system", content=tool_instructions(tools)))
-    return await chat_ids(service, messages, settings.chat_template, settings.max_prompt_chars,
-                          body.add_special_tokens, body.add_generation_prompt, kwargs)
+    return await chat_prompt_of(service, messages, settings.chat_template, settings.max_prompt_chars,
+                                body.add_special_tokens, chat_ending(body), kwargs)
 
 
 def chat_template_of(service: GenerateService, settings: ServerSettings) -> str:
@@ -221,7 +222,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     logprobs = check_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
     tools = Tools.of(body.tools, body.tool_choice)
     parser = choose_parser(settings.tool_call_parser, chat_template_of(service, settings))
-    prompt = await chat_prompt(service, body, settings, tools)
+    rendered = await chat_prompt(service, body, settings, tools)
+    prompt = rendered.ids
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
         max_tokens = rest_of_context(service, prompt)
@@ -232,6 +234,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             raise InvalidRequestError("tool_choice forcing a call cannot be combined with another "
                                       "structured-output constraint", param="tool_choice")
         params.constraint = forced
+    reasoning = ReplyReasoning(reasoning_parser(settings.reasoning_parser), rendered.text, body.chat_template_kwargs,
+                               body.include_reasoning)
+    params.constraint = reasoning.constrain_answer(params.constraint)
     parser = parser if tools is not None and tools.active else None
     chat_id = f"chatcmpl-{uuid.uuid4().hex}"
     try:
@@ -245,18 +250,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
               "system_fingerprint": None}
     token_text = state.token_text
     if body.stream:
-        return EventStream(stream_chat(generation, body, header, token_text, logprobs, request.url.path, parser),
-                           on_close=generation.abort)
+        return EventStream(stream_chat(generation, body, header, token_text, logprobs, request.url.path, parser,
+                                       reasoning), on_close=generation.abort)
     [result] = await unless_disconnected(request, generation.collect())
     choices = []
     for j, choice in enumerate(result.choices):
         if (error := failure_of(choice)) is not None:
             raise error
-        message, finish = {"role": "assistant", "content": choice.text}, choice.finish_reason
-        if parser is not None:
-            content, calls = parse_tool_calls(choice.text, parser)
+        message, finish = {"role": "assistant", **reasoning.message_fields(choice.text)}, choice.finish_reason
+        if parser is not None:  # calls are read from the answer, never from the reasoning
+            content, calls = parse_tool_calls(message["content"] or "", parser)
             if calls:
-                message = {"role": "assistant", "content": content, "tool_calls": [c.to_json() for c in calls]}
+                message.update(content=content, tool_calls=[c.to_json() for c in calls])
                 finish = "tool_calls"
         choices.append({
             "index": j,
@@ -270,7 +275,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
 
 async def stream_chat(generation: Generation, body: ChatCompletionRequest, header: dict, token_text: TokenText,
-                      logprobs: int | None, path: str, parser: str | None = None) -> AsyncIterator[bytes]:
+                      logprobs: int | None, path: str, parser: str | None = None,
+                      reasoning: ReplyReasoning | None = None) -> AsyncIterator[bytes]:
     def chunk(choices: list[dict], **extra) -> bytes:
         return sse({**header, "object": "chat.completion.chunk", "choices": choices, **extra})
 
@@ -278,6 +284,8 @@ async def stream_chat(generation: Generation, body: ChatCompletionRequest, heade
                  for j in range(body.n)])
     # With tools, text that may be a call is held back and sent as delta.tool_calls at the end.
     held = {j: StreamedContent(parser) for j in range(body.n)} if parser is not None else None
+    # With a reasoning parser, each reply's thinking goes out as delta.reasoning_content.
+    splitters = {j: reasoning.splitter() for j in range(body.n)} if reasoning and reasoning.parser else None
     events = generation.events()
     try:
         async for _, event in events:
@@ -287,6 +295,13 @@ async def stream_chat(generation: Generation, body: ChatCompletionRequest, heade
             scored = chat_logprobs(token_text, event.logprobs) if logprobs is not None and event.logprobs else None
             text, finish = event.text, event.finish_reason
             delta: dict = {}
+            if splitters is not None:
+                thought, text = splitters[event.index].feed(text)
+                if finish:
+                    tail_thought, tail_text = splitters[event.index].finish()
+                    thought, text = thought + tail_thought, text + tail_text
+                if thought and reasoning.include_reasoning:
+                    delta.update(reasoning_fields(thought))
             if held is not None:
                 text = held[event.index].feed(text)
                 if finish:
@@ -307,3 +322,4 @@ async def stream_chat(generation: Generation, body: ChatCompletionRequest, heade
     finally:
         await events.aclose()
     yield DONE
+

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from kiln.runtime.errors import InvalidRequestError
 
 from ..generation import admit
-from ..prompts import chat_ids, encode
+from ..prompts import chat_ending, chat_ids, encode
 from ..protocol import DetokenizeRequest, TokenizeRequest
 
 router = APIRouter()
@@ -31,7 +31,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
     if body.messages is not None:
         add_special = bool(body.add_special_tokens)  # a chat template writes its own special tokens
         ids = await chat_ids(service, body.messages, settings.chat_template, settings.max_prompt_chars, add_special,
-                             body.add_generation_prompt, body.chat_template_kwargs)
+                             chat_ending(body), body.chat_template_kwargs)
     else:
         ids = await encode(service, body.prompt, settings.max_prompt_chars,
                            add_special_tokens=body.add_special_tokens is not False)

@@ -52,3 +52,13 @@ def test_every_serve_option_says_what_it_does(capsys):
             and len(re.split(r"\s{2,}", line.strip(), maxsplit=1)) == 1
             and (i + 1 == len(lines) or not lines[i + 1].startswith(" " * 10) or re.match(r"^  --?\S", lines[i + 1]))]
     assert not bare, bare
+
+
+def test_reasoning_parser_is_off_by_default_and_an_unknown_one_names_the_choices(capsys):
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).reasoning_parser is None
+    assert parser.parse_args(["serve", "--reasoning-parser", "deepseek_r1"]).reasoning_parser == "deepseek_r1"
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["serve", "--reasoning-parser", "r1"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'r1' (choose from 'deepseek_r1', 'qwen3')" in capsys.readouterr().err

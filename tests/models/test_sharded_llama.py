@@ -9,6 +9,7 @@ import torch
 from kiln.models.llama import PagedLlama
 from kiln.models.sharded_llama import ShardedPagedLlama
 from kiln.runtime.device_layout import DeviceLayout
+from tests.hf_families import FAMILIES
 from tests.tiny_model import make_tiny_checkpoint
 
 
@@ -52,3 +53,21 @@ def test_the_weights_are_the_originals_cut_not_copied_twice():
     q = whole.model.layers[1].self_attn.q_proj.weight
     rank1 = sharded.stages[1][0].attention[1].q_proj.weight
     assert torch.equal(rank1, q[q.shape[0] // 2:])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_shards_to_the_one_device_logits(family, tmp_path):
+    """Tensor and pipeline parallel over the families' departures: per-head QK-norms copied to
+    every rank, sandwich norms after the reduce, sliding layers' masks and rotary on every device."""
+    pytest.importorskip("transformers")
+    from kiln.models.loader import load_hf_directory
+    from tests.hf_families import write_family_checkpoint
+
+    checkpoint = load_hf_directory(write_family_checkpoint(family, tmp_path))
+
+    def fresh():
+        return PagedLlama(checkpoint.config, block_seq_stride=8).load_tensors(checkpoint.tensors).eval()
+
+    want = run(fresh())
+    got = run(ShardedPagedLlama(fresh(), DeviceLayout(2, 2)))
+    assert (got - want).abs().max() / want.abs().max() < 1e-5

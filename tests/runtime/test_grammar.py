@@ -140,3 +140,28 @@ def test_a_grammar_past_its_compile_budget_is_a_400(fake_model_dir):
             await service.stop()
 
     asyncio.run(main())
+
+
+def test_a_constraint_after_a_marker_is_free_until_the_marker_then_binds(compiler, tokenizer):
+    """A reasoning model's `</think>`, several tokens in the tiny vocabulary (as in many), split
+    across tokens any way: every token is allowed until its text is complete, then only the JSON."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    plain = Constraint.of("json", schema, "response_format")
+    constraint = plain.after("</think>")
+    assert constraint.grammar_key == plain and compiler.compile(constraint) is compiler.compile(plain)
+    marker = tokenizer.encode("</think>", add_special_tokens=False).ids
+    assert len(marker) > 1
+    for thinking in (tokenizer.encode("Let me see.", add_special_tokens=False).ids + marker,
+                     [tokenizer.token_to_id(c) for c in "ok</think>"]):  # one character a token
+        matcher = compiler.matcher(constraint)
+        for token in thinking:
+            assert matcher.allowed().all() and not matcher.finished and matcher.error is None
+            logits = np.zeros(VOCAB, np.float32)
+            assert matcher.mask_logits(logits) is logits
+            matcher.accept(token)
+        allowed = np.flatnonzero(matcher.allowed())
+        assert 0 < allowed.size < VOCAB and all(tokenizer.decode([int(t)]).startswith("{") for t in allowed)
+        for token in tokenizer.encode('{"ok":true}', add_special_tokens=False).ids:
+            matcher.accept(token)
+        assert matcher.finished and matcher.error is None

@@ -35,11 +35,13 @@ def smol_server(start_server, smollm2_artifacts) -> ServerProcess:
 def start_fake_server(fake_model_dir):
     """start_fake_server(**settings) -> (port, service): a real server on 127.0.0.1 (uvicorn,
     configured as `kiln serve` configures it) over the fake program, in a thread, stopped at
-    the end of the session. It also answers GET /fail with an error of Kiln's own."""
+    the end of the session. It also answers GET /fail with an error of Kiln's own. `model_dir`
+    and `program_factory` put other artifacts or another program (a scripted one) in its place."""
     running = []
 
-    def start(**overrides):
-        service = GenerateService(ServiceConfig(Artifacts.in_directory(fake_model_dir)), program_factory=FakeProgram)
+    def start(model_dir=None, program_factory=FakeProgram, **overrides):
+        artifacts = Artifacts.in_directory(model_dir or fake_model_dir)
+        service = GenerateService(ServiceConfig(artifacts), program_factory=program_factory)
         settings = ServerSettings(**{"port": free_port(), "served_model_names": ("fake",), "log_requests": False,
                                      **overrides})
         app = create_app(service, settings)

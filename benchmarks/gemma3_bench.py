@@ -1,0 +1,168 @@
+"""Gemma 3 270M (the `gemma3` extra's Q4_K_M GGUF) in Kiln beside llama.cpp on the same file.
+
+    python -m benchmarks.gemma3_bench [--tokens 48] [--output benchmarks/results/gemma3-<date>.json]
+
+Three things, each engine in its own process, one after the other:
+- greedy tokens for a few prompts from both, and where they first differ, how close Kiln's two
+  best candidates were there (a near tie, whose order rounding may swap, or a real difference),
+  and which of the two tokens the float32 model on the file's dequantized weights (what
+  transformers computes, tests/models/test_gemma3_gguf.py) prefers on the same prefix, by how much:
+  both engines round activations for their quantized matmuls, so each may leave it;
+- the offline figures every peer reports (benchmarks/kiln_offline.py's definitions: prefill of
+  128 and 512 tokens, decode at batch 1 and 8, 2 threads for llama.cpp);
+- each process's peak resident memory, beside the file's size.
+
+Kiln serves the file as `kiln serve --model gemma-3-270m` builds it (its Q4_K and Q6_K blocks kept).
+The build runs in a child process, so the measuring one never loads torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+from benchmarks.peers import llamacpp
+from benchmarks.peers.common import heavy_lock, log
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,",
+           "The three primary colors are"]
+NEAR_TIE = 0.05  # nats between Kiln's two best candidates: closer than this, rounding may swap them
+
+
+def run_measured(argv: list[str], cwd: Path | None = None) -> tuple[dict, float]:
+    """The JSON object `argv` prints last, and the process's peak resident memory in MiB."""
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=cwd)
+    out = process.stdout.read()
+    _, status, usage = os.wait4(process.pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{argv[:3]} failed; stdout:\n{out[-2000:]}")
+    line = next(line for line in reversed(out.splitlines()) if line.startswith("{"))
+    return json.loads(line), usage.ru_maxrss / 1024
+
+
+def kiln_greedy(artifacts: Path, prompts: list[str], tokens: int) -> dict:
+    """In this process (no torch): each prompt's ids, greedy tokens, and Kiln's top-2 logprobs per step."""
+    from kiln.runtime import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=2)
+    with LLM(artifacts, prefix_sharing="none") as llm:
+        results = llm.generate(prompts, params)
+    return {"runs": [{"prompt_ids": r.prompt_token_ids, "tokens": r.completions[0].token_ids,
+                      "top2": [sorted(step.top.values(), reverse=True)[:2] for step in r.completions[0].logprobs]}
+                     for r in results]}
+
+
+def float32_preference(path: Path, prefixes: list[list[int]], pairs: list[tuple[int, int]]) -> dict:
+    """In this process (it loads torch): for each prefix, the float32 model's log-probability of the
+    first token of its pair less that of the second (positive: it prefers the first)."""
+    import torch
+
+    from kiln.models.gguf_loader import load_gguf
+    from kiln.models.llama import PagedLlama
+
+    checkpoint = load_gguf(path)
+    model = PagedLlama(checkpoint.config).load_tensors(checkpoint.tensors).eval()
+    margins = []
+    with torch.no_grad():
+        for prefix, (first, second) in zip(prefixes, pairs):
+            scores = torch.log_softmax(model.forward_reference(torch.tensor([prefix]))[0, -1], dim=-1)
+            margins.append(round(float(scores[first] - scores[second]), 4))
+    return {"margins": margins}
+
+
+def compare(kiln: dict, llama: list[list[int]]) -> list[dict]:
+    """Per prompt: the tokens both give before they first differ, and Kiln's margin there."""
+    rows = []
+    for run, theirs in zip(kiln["runs"], llama):
+        ours = run["tokens"]
+        first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        row = {"prompt_ids": run["prompt_ids"], "agree": first is None, "kiln": ours, "llama.cpp": theirs}
+        if first is not None:
+            best, second = run["top2"][first]
+            row |= {"first_difference": first, "kiln_margin_nats": round(best - second, 4),
+                    "near_tie": best - second < NEAR_TIE}
+        rows.append(row)
+    return rows
+
+
+def referee(path: Path, rows: list[dict], here: Path) -> None:
+    """Each difference's float32 verdict (float32_preference in a child), into its row."""
+    split = [row for row in rows if not row["agree"]]
+    if not split:
+        return
+    prefixes = [row["prompt_ids"] + row["kiln"][:row["first_difference"]] for row in split]
+    pairs = [(row["kiln"][row["first_difference"]], row["llama.cpp"][row["first_difference"]]) for row in split]
+    verdict, _ = run_measured([sys.executable, "-m", "benchmarks.gemma3_bench", "--float32-preference",
+                               json.dumps({"path": str(path), "prefixes": prefixes, "pairs": pairs})], here)
+    for row, margin in zip(split, verdict["margins"]):
+        row["float32_prefers"] = "kiln" if margin > 0 else "llama.cpp"
+        row["float32_margin_nats"] = abs(margin)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt")
+    parser.add_argument("--output", type=Path,
+                        default=Path(__file__).parent / "results" / f"gemma3-{date.today().isoformat()}.json")
+    parser.add_argument("--greedy-only", action="store_true", help="leave out the timings")
+    parser.add_argument("--kiln-greedy", type=Path, help=argparse.SUPPRESS)  # the children's parts
+    parser.add_argument("--float32-preference", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.kiln_greedy:
+        print(json.dumps(kiln_greedy(args.kiln_greedy, PROMPTS, args.tokens)))
+        return 0
+    if args.float32_preference:
+        asked = json.loads(args.float32_preference)
+        print(json.dumps(float32_preference(Path(asked["path"]), asked["prefixes"], asked["pairs"])))
+        return 0
+
+    from kiln.models.packaged import packaged_model_path
+
+    path = packaged_model_path("gemma-3-270m")
+    artifacts = _build(path)
+    py = llamacpp.python()  # llama-cpp-python alone: no llama-server build
+    here = Path(__file__).resolve().parent.parent
+    bench = str(llamacpp.BENCH_SCRIPT)
+    with heavy_lock():
+        kiln, _ = run_measured([sys.executable, "-m", "benchmarks.gemma3_bench", "--tokens",
+                                              str(args.tokens), "--kiln-greedy", str(artifacts)], here)
+        theirs = [run_measured([str(py), bench, "greedy", str(path), json.dumps(run["prompt_ids"]),
+                                str(args.tokens)])[0]["tokens"] for run in kiln["runs"]]
+        result = {"model": str(path), "file_mib": round(path.stat().st_size / 2**20, 1),
+                  "greedy": compare(kiln, theirs)}
+        referee(path, result["greedy"], here)
+        if not args.greedy_only:
+            started = time.monotonic()
+            figures, rss = run_measured([sys.executable, "-m", "benchmarks.kiln_offline", "--measure",
+                                         str(artifacts)], here)
+            result["kiln"] = {**figures, "peak_rss_mib": round(rss, 1)}
+            figures, rss = run_measured([str(py), bench, "offline", str(path)])
+            result["llama.cpp"] = {**figures, "peak_rss_mib": round(rss, 1), "llama_cpp_python": llamacpp.VERSION}
+            log(f"timed both in {time.monotonic() - started:.0f} s")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "greedy"} | {
+        "greedy": [{k: v for k, v in row.items() if k not in ("kiln", "llama.cpp", "prompt_ids")}
+                   for row in result["greedy"]]}, indent=2))
+    return 0
+
+
+def _build(path: Path) -> Path:
+    """The file built as `kiln serve --model gemma-3-270m` builds it, in a child process."""
+    code = ("import sys\n"
+            "from pathlib import Path\n"
+            "from kiln.export.build import build, default_build_options\n"
+            f"print(build(Path({str(path)!r}), default_build_options(), ['cpu'], "
+            "log=lambda m: print(m, file=sys.stderr)))\n")
+    done = subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.PIPE, text=True)
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""The families that depart from Llama's layer (Qwen3, Qwen3-MoE, Mixtral, Phi-3, Gemma 2 and 3): their
+config.json, their tensors, and what their GGUF metadata leaves unsaid.
+
+Each reader turns what its family's checkpoint says into the LlamaConfig fields the model reads
+(QK-norm, GeGLU, sandwich norms, sliding layers...) and its tensors into Kiln's (Llama's) names,
+so the one model in llama.py runs them all.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.runtime.errors import ModelLoadError
+
+from .config import FULL, SLIDING, LlamaConfig
+from .hf_loader import hf_llama_config, hf_llama_tensors, llama_config
+
+# Gemma's turns: `model` for the assistant, a system message folded into the first user turn.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set system = messages[0]['content'] + '\n\n' if messages and messages[0]['role'] == 'system' else '' %}"
+    "{% for message in messages if message['role'] != 'system' %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
+    "{{ (system if loop.first else '') + (message['content'] | trim) + '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+GEMMA3_LOCAL_THETA = 10000.0  # Gemma 3's rope_local_base_freq where a checkpoint leaves it out
+
+# config.json's activation names, by what LlamaConfig.hidden_act calls them.
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def _activation(values: dict, default: str) -> str:
+    name = values.get("hidden_activation") or values.get("hidden_act") or default
+    if name not in _ACTIVATIONS:
+        raise ModelLoadError(f"config.json's activation {name!r} is not supported: Kiln runs {', '.join(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]
+
+
+def qwen3_config(values: dict, name: str) -> LlamaConfig:
+    """Qwen3: Qwen2's layer with an RMSNorm over each head's q and k, and no q/k/v bias."""
+    return hf_llama_config(values, name, "qwen3", attention_bias=False, qk_norm=True)
+
+
+def phi3_config(values: dict, name: str) -> LlamaConfig:
+    """Phi-3: Llama's layer with fused projections (phi3_tensors splits them), LongRoPE scaling,
+    and a sliding window over every layer when config.json sets one (as transformers applies it)."""
+    window = values.get("sliding_window")
+    layers = values.get("num_hidden_layers", 0)
+    types = values.get("layer_types") or ([SLIDING] * layers if window else [])
+    return llama_config(values | {"layer_types": types}, name=name, architecture="phi3",
+                        attention_bias=False, hidden_act=_activation(values, "silu"))
+
+
+def phi3_tensors(tensors: dict[str, np.ndarray], config: LlamaConfig) -> dict[str, np.ndarray]:
+    """Phi-3's `qkv_proj` split into q/k/v and `gate_up_proj` into gate/up (gate first)."""
+    q_rows = config.num_attention_heads * config.head_dim
+    kv_rows = config.num_key_value_heads * config.head_dim
+    out = {}
+    for name, value in hf_llama_tensors(tensors).items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            base = name.removesuffix("qkv_proj.weight")
+            if value.shape[0] != q_rows + 2 * kv_rows:
+                raise ModelLoadError(f"{name} has {value.shape[0]} rows, not q+k+v's {q_rows + 2 * kv_rows}")
+            q, k, v = np.split(value, [q_rows, q_rows + kv_rows])
+            out |= {base + "q_proj.weight": q, base + "k_proj.weight": k, base + "v_proj.weight": v}
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            base = name.removesuffix("gate_up_proj.weight")
+            if value.shape[0] != 2 * config.intermediate_size:
+                raise ModelLoadError(f"{name} has {value.shape[0]} rows, not 2 x intermediate_size")
+            gate, up = np.split(value, 2)
+            out |= {base + "gate_proj.weight": gate, base + "up_proj.weight": up}
+        else:
+            out[name] = value
+    return out
+
+
+def _gemma_config(values: dict, name: str, architecture: str, layer_types: list[str], **decided) -> LlamaConfig:
+    """What Gemma 2 and 3 share: GeGLU, embeddings scaled by √hidden, norms before and after
+    attention and the MLP, scores scaled by query_pre_attn_scalar, local layers in `layer_types`."""
+    return llama_config(
+        values | {"layer_types": values.get("layer_types") or layer_types},
+        name=name, architecture=architecture, attention_bias=bool(values.get("attention_bias", False)),
+        tie_word_embeddings=values.get("tie_word_embeddings", True),
+        hidden_act=_activation(values, "gelu_pytorch_tanh"),
+        embedding_multiplier=float(values["hidden_size"]) ** 0.5,
+        query_pre_attn_scalar=values.get("query_pre_attn_scalar"),
+        sandwich_norms=True,
+        attn_logit_softcapping=values.get("attn_logit_softcapping"),
+        final_logit_softcapping=values.get("final_logit_softcapping"),
+        **decided,
+    )
+
+
+def gemma2_config(values: dict, name: str) -> LlamaConfig:
+    """Gemma 2: local and global layers alternate, local first; scores and logits soft-capped."""
+    layers = values.get("num_hidden_layers", 0)
+    return _gemma_config(values, name, "gemma2", [SLIDING if i % 2 == 0 else FULL for i in range(layers)])
+
+
+def _gemma3_layer_types(layers: int, pattern: int) -> list[str]:
+    return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(layers)]
+
+
+def gemma3_config(values: dict, name: str) -> LlamaConfig:
+    """Gemma 3 (text): every `sliding_window_pattern`-th layer global, the rest local with their own
+    rotary base; QK-norm."""
+    layers = values.get("num_hidden_layers", 0)
+    pattern = int(values.get("sliding_window_pattern") or values.get("_sliding_window_pattern") or 6)
+    config = _gemma_config(values, name, "gemma3", _gemma3_layer_types(layers, pattern), qk_norm=True)
+    if config.rope_local_theta is None:
+        config.rope_local_theta = GEMMA3_LOCAL_THETA
+    return config
+
+
+
+def gemma3_gguf_config(key, fields: dict) -> dict:
+    """What llama.cpp takes for granted in a `gemma3` GGUF: every sixth layer global (unless
+    attention.sliding_window_pattern says otherwise, as a period or a per-layer flag), local
+    layers on a 10,000 base, scores scaled by the head size, GeGLU, embeddings scaled by √hidden."""
+    layers = fields["num_hidden_layers"]
+    pattern = key("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        types = [SLIDING if local else FULL for local in pattern]
+    else:
+        types = _gemma3_layer_types(layers, int(pattern))
+    return dict(hidden_act="gelu_tanh", embedding_multiplier=float(fields["hidden_size"]) ** 0.5,
+                query_pre_attn_scalar=float(fields["head_dim"]), layer_types=types,
+                sliding_window=int(key("attention.sliding_window", required=True)),
+                rope_local_theta=float(key("rope.freq_base_swa", GEMMA3_LOCAL_THETA)))
+
+
+# Gemma's norms scale by (1 + weight); its names for the norms around attention and the MLP.
+_GEMMA_NORMS = {
+    "post_attention_layernorm": "attention_output_norm",
+    "pre_feedforward_layernorm": "post_attention_layernorm",
+    "post_feedforward_layernorm": "mlp_output_norm",
+}
+
+
+def gemma_tensors(tensors: dict[str, np.ndarray], config: LlamaConfig) -> dict[str, np.ndarray]:
+    """Gemma's tensors in Kiln's names, each norm's weight as the plain factor it scales by (1 + w),
+    as llama.cpp's converter stores them too."""
+    out = {}
+    for name, value in hf_llama_tensors(tensors).items():
+        if name.endswith("norm.weight"):
+            value = value.astype(np.float32) + 1.0
+            module = name.split(".")[-2]
+            name = name.removesuffix(f"{module}.weight") + _GEMMA_NORMS.get(module, module) + ".weight"
+        out[name] = value
+    return out
+
+
+def _expert_counts(values: dict) -> dict:
+    """num_experts (`num_local_experts` in Mixtral's config.json and in what transformers 5 writes;
+    `num_experts` in Qwen3-MoE's on the Hub) and num_experts_per_tok."""
+    experts = values.get("num_local_experts", values.get("num_experts"))
+    if experts is None or "num_experts_per_tok" not in values:
+        raise ModelLoadError("config.json lacks num_local_experts (or num_experts) and num_experts_per_tok")
+    return dict(num_experts=int(experts), num_experts_per_tok=int(values["num_experts_per_tok"]))
+
+
+def mixtral_config(values: dict, name: str) -> LlamaConfig:
+    """Mixtral: Mistral's layer with a mixture of experts for every MLP, the top two renormalized."""
+    return hf_llama_config(values, name, "mixtral", attention_bias=False, norm_topk_prob=True, **_expert_counts(values))
+
+
+def qwen3_moe_config(values: dict, name: str) -> LlamaConfig:
+    """Qwen3-MoE: Qwen3's attention; experts in every `decoder_sparse_step`-th layer not listed in
+    `mlp_only_layers`, their weights renormalized when `norm_topk_prob` says so."""
+    step = int(values.get("decoder_sparse_step") or 1)
+    only = set(values.get("mlp_only_layers") or [])
+    layers = int(values.get("num_hidden_layers", 0))
+    return hf_llama_config(values, name, "qwen3_moe", attention_bias=False, qk_norm=True,
+                           moe_intermediate_size=int(values.get("moe_intermediate_size") or 0),
+                           norm_topk_prob=bool(values.get("norm_topk_prob", False)),
+                           dense_layers=[i for i in range(layers) if i in only or (i + 1) % step],
+                           **_expert_counts(values))
+
+
+def _stacked_experts(tensors: dict[str, np.ndarray], config: LlamaConfig, moe: str,
+                     names: dict[str, str]) -> dict[str, np.ndarray]:
+    """Per-expert tensors (`{moe}.experts.{j}.{name}.weight`, as checkpoints store them) stacked into
+    Kiln's [E, ...] parameters under `mlp.experts.*`; `{moe}.gate` (the router) as `mlp.gate`.
+    `names`: each stored name's Kiln name (gate_proj, up_proj, down_proj)."""
+    out, experts = {}, {}
+    for name, value in hf_llama_tensors(tensors).items():
+        parts = name.split(".")
+        if len(parts) > 4 and parts[3] == moe and parts[4] == "experts":
+            layer, expert, kind = int(parts[2]), int(parts[5]), parts[6]
+            if kind not in names:
+                raise ModelLoadError(f"unexpected expert tensor {name}")
+            experts[(layer, names[kind], expert)] = value
+        elif len(parts) > 3 and parts[3] == moe:
+            out[".".join(parts[:3] + ["mlp"] + parts[4:])] = value
+        else:
+            out[name] = value
+    for layer in range(config.num_hidden_layers):
+        if not config.is_moe(layer):
+            continue
+        for kind in names.values():
+            try:
+                stacked = [experts.pop((layer, kind, j)) for j in range(config.num_experts)]
+            except KeyError as missing:
+                raise ModelLoadError(f"layer {layer} lacks expert {missing.args[0][2]}'s {kind}") from None
+            out[f"model.layers.{layer}.mlp.experts.{kind}"] = np.stack(stacked)
+    if experts:
+        raise ModelLoadError(f"expert tensors beyond num_experts={config.num_experts}: {sorted(experts)[:3]}")
+    return out
+
+
+def mixtral_tensors(tensors: dict[str, np.ndarray], config: LlamaConfig) -> dict[str, np.ndarray]:
+    """Mixtral's `block_sparse_moe` experts (w1 gate, w3 up, w2 down), stacked."""
+    return _stacked_experts(tensors, config, "block_sparse_moe", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"})
+
+
+def qwen3_moe_tensors(tensors: dict[str, np.ndarray], config: LlamaConfig) -> dict[str, np.ndarray]:
+    """Qwen3-MoE's `mlp.experts.{j}.{gate,up,down}_proj`, stacked."""
+    return _stacked_experts(tensors, config, "mlp", {k: k for k in ("gate_proj", "up_proj", "down_proj")})

@@ -1,0 +1,148 @@
+"""Qwen3, Qwen3-MoE, Mixtral, Phi-3, Gemma 2 and Gemma 3 against transformers' eager forward, from checkpoints it
+wrote; and through the quantizer and a GGUF."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.models.llama import PagedLlama
+from kiln.models.loader import load_hf_directory
+from kiln.runtime.errors import ModelLoadError
+
+from tests.hf_families import FAMILIES, transformers_gguf, transformers_model, write_family_checkpoint
+
+
+pytest.importorskip("transformers")
+
+# Long enough to leave every sliding window and (Phi-3) LongRoPE's 32-token original context.
+PROMPT = [5, 9, 200, 17, 33, 71, 140, 250, 8, 12, 90, 300, 41, 77, 150, 6, 19, 260, 101, 55,
+          3 + 30, 44, 180, 222, 13, 66, 97, 310, 128, 39, 210, 84, 15, 59, 171]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_dir(request, tmp_path_factory):
+    return request.param, write_family_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def ours(directory) -> PagedLlama:
+    checkpoint = load_hf_directory(directory)
+    return PagedLlama(checkpoint.config, block_seq_stride=8).load_tensors(checkpoint.tensors).eval()
+
+
+@pytest.mark.parametrize("length", [12, len(PROMPT)], ids=["short", "long"])
+def test_logits_match_transformers(family_dir, length):
+    family, directory = family_dir
+    tokens = torch.tensor([PROMPT[:length]])
+    with torch.no_grad():
+        want = transformers_model(directory)(tokens).logits[0].numpy()
+        got = ours(directory).forward_reference(tokens)[0].numpy()
+    assert np.abs(got - want).max() < 1e-4, family
+
+
+def test_greedy_tokens_match_transformers_through_the_paged_cache(family_dir):
+    """Prefill in two chunks and decode one token at a time through the paged cache (eager torch),
+    against transformers' own greedy generate."""
+    family, directory = family_dir
+    model, steps = ours(directory), 12
+    prompt = PROMPT[:20]
+    with torch.no_grad():
+        reference = transformers_model(directory)
+        reference.generation_config.eos_token_id = None  # every step's argmax, the end token's included
+        hf = reference.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False)[0, len(prompt):].tolist()
+        cache = model.allocate_cache(16)
+        table = torch.tensor([[3, 7, 2, 9, 11, 5]])
+        h = model.forward_paged(torch.tensor([prompt[:16]]), torch.tensor([0]), torch.tensor([16]), table[:, :2], cache)
+        rest = torch.tensor([prompt[16:] + [0] * 4])  # padded to a page; padding goes to page 0
+        h = model.forward_paged(rest, torch.tensor([16]), torch.tensor([20]), table[:, :3], cache)
+        generated = [int(model.logits(h)[0, 3].argmax())]
+        while len(generated) < steps:
+            position = len(prompt) + len(generated) - 1
+            h = model.forward_paged(torch.tensor([[generated[-1]]]), torch.tensor([position]),
+                                    torch.tensor([position + 1]), table, cache)
+            generated.append(int(model.logits(h)[0, 0].argmax()))
+    assert generated == hf, family
+
+
+def test_config_reads_each_familys_departures(tmp_path):
+    gemma3 = load_hf_directory(write_family_checkpoint("gemma3", tmp_path / "gemma3")).config
+    assert (gemma3.qk_norm, gemma3.sandwich_norms, gemma3.hidden_act) == (True, True, "gelu_tanh")
+    assert gemma3.layer_types == ["sliding_attention", "full_attention"] * 2 and gemma3.sliding_window == 6
+    assert (gemma3.rope_theta, gemma3.rope_local_theta, gemma3.rope_scaling["factor"]) == (1e6, 1e4, 8.0)
+    assert gemma3.embedding_multiplier == 8.0 and gemma3.tie_word_embeddings
+    phi3 = load_hf_directory(write_family_checkpoint("phi3", tmp_path / "phi3")).config
+    assert phi3.rope_scaling["rope_type"] == "longrope" and set(phi3.layer_types) == {"sliding_attention"}
+
+
+def test_partial_rotary_is_refused_by_name(tmp_path):
+    directory = write_family_checkpoint("phi3", tmp_path)
+    values = json.loads((directory / "config.json").read_text())
+    values["rope_parameters"]["partial_rotary_factor"] = 0.75
+    (directory / "config.json").write_text(json.dumps(values))
+    with pytest.raises(ModelLoadError, match="partial_rotary_factor"):
+        load_hf_directory(directory)
+
+
+def test_qwen3_gguf_round_trip_reads_as_transformers_does(tmp_path):
+    """Qwen3 written as a `qwen3` GGUF (its QK-norms as attn_q_norm / attn_k_norm) and read back: the
+    same logits from Kiln, and transformers' GGUF reader sees the same tensors."""
+    from kiln.models.gguf_loader import load_gguf
+    from kiln.models.gguf_writer import write_gguf
+
+    checkpoint = load_hf_directory(write_family_checkpoint("qwen3", tmp_path / "hf"))
+    path = write_gguf(checkpoint, tmp_path / "qwen3.gguf")
+    loaded = load_gguf(path)
+    assert loaded.config.qk_norm and loaded.config.architecture == "qwen3" and loaded.config.head_dim == 32
+    tokens = torch.tensor([PROMPT])
+    with torch.no_grad():
+        want = PagedLlama(checkpoint.config).load_tensors(checkpoint.tensors).eval().forward_reference(tokens)
+        got = PagedLlama(loaded.config).load_tensors(loaded.tensors).eval().forward_reference(tokens)
+    assert (got - want).abs().max() < 1e-5
+    import transformers
+
+    _, tensors = transformers_gguf(path, transformers.Qwen3Config, transformers.Qwen3ForCausalLM)
+    assert set(tensors) == set(checkpoint.tensors)
+    for name, value in tensors.items():
+        np.testing.assert_array_equal(np.asarray(value, dtype=np.float32), checkpoint.tensors[name], err_msg=name)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8", "q8_0"])
+def test_quantized_weights_stay_near_the_float_model(family_dir, mode):
+    """Every weight matmul (attention, MLP, embedding) quantized as `kiln build --quantize` does; a
+    mixture's router and stacked experts stay float32, as docs/models.md says. Near-tied logits of
+    a random tiny model may swap places, so the top token need only agree at most positions."""
+    from torch import nn
+
+    from kiln.models.quantize import quantize_model
+
+    family, directory = family_dir
+    model = ours(directory)
+    tokens = torch.tensor([PROMPT])
+    with torch.no_grad():
+        want = model.forward_reference(tokens)
+        got = quantize_model(model, mode).forward_reference(tokens)
+    assert not [m for m in model.modules() if type(m) in (nn.Linear, nn.Embedding)]
+    errors = (got - want)[0].abs().amax(dim=-1) / want.abs().max()  # per position
+    # A mixture's token that rounding routes to another expert differs by more (in any engine), and
+    # so may the positions that attend to it: there the typical position is held to the bound.
+    error = errors.median() if model.config.num_experts else errors.max()
+    assert error < {"bf16": 2e-2, "int8": 6e-2, "q8_0": 6e-2}[mode], family
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.8, family
+
+
+def test_a_model_with_gathered_layers_gets_no_context_wide_decode_bucket(tmp_path):
+    """The in-place decode kernel takes a table as wide as the context for free, so the export gives
+    such a model one decode of max_seq_len; a local or soft-capped layer gathers that table's pages,
+    so a model with one keeps decodes as wide as the batch's sequences."""
+    from kiln.export.export_model import with_decode_buckets
+    from kiln.export.options import ExportOptions
+
+    options = ExportOptions(cpu_kernels=True).validate(256)
+    assert with_decode_buckets(load_hf_directory(write_family_checkpoint("qwen3", tmp_path / "q")), options
+                               ).decode_buckets == (256,)
+    for family in ("gemma2", "gemma3", "phi3"):
+        checkpoint = load_hf_directory(write_family_checkpoint(family, tmp_path / family))
+        assert with_decode_buckets(checkpoint, options).decode_buckets == (), family
