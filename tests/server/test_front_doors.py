@@ -314,7 +314,9 @@ def test_health_answers_while_a_50000_way_choice_compiles(server_of_its_own):
     answered = response.json()["choices"]
     assert all(choice["text"] in choices and choice["finish_reason"] == "stop" for choice in answered), answered
     assert len(latencies) > 5  # the compile took a while, and /health was asked all along
-    assert max(latencies) < 0.1, sorted(latencies)[-5:]
+    # Blocked by the compile, /health would wait for all of it; a garbage-collection pause in a
+    # large test process has taken a tenth of a second on its own.
+    assert max(latencies) < 0.5, sorted(latencies)[-5:]
 
 
 def test_every_openai_shaped_door_fills_unset_sampling_fields_with_the_models_defaults(doors, monkeypatch):
