@@ -60,7 +60,7 @@ def rope_inverse_frequencies(config: LlamaConfig, local: bool = False, long: boo
     theta = config.rope_local_theta if local else config.rope_theta
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = {} if local else config.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type"))
+    kind = None if local else rope_type(config)
     if kind == "llama3":
         inv_freq = inv_freq / torch.from_numpy(llama3_divisors(inv_freq.numpy(), scaling))
     elif kind == "linear":
