@@ -12,9 +12,11 @@ one, else the text re-tokenized), and aggregate them the way vLLM's benchmark_se
     python -m benchmarks.loadgen --base-url http://127.0.0.1:8000 --backend openai \
         --tokenizer ARTIFACTS/tokenizer.json --concurrency 16 --num-requests 32 --json out.json
 
-Backends: `openai` (POST /v1/completions, SSE: Kiln, llama.cpp's llama-server) and
+Backends: `openai` (POST /v1/completions, SSE: Kiln, llama.cpp's llama-server),
 `shortfin` (POST /generate: streamed events when the server streams, else one JSON body,
-in which case TTFT is the whole latency and the result says so with `ttft_is_e2e`).
+in which case TTFT is the whole latency and the result says so with `ttft_is_e2e`), and
+`chat` and `anthropic` (the prompt as a user message through /v1/chat/completions or
+Anthropic's /v1/messages, ending at the model's end of turn: the one API beside the other).
 """
 
 from __future__ import annotations
@@ -320,20 +322,28 @@ class OpenAIBackend(_Backend):
             self.model = None
 
     def payload(self, prompt: str, max_tokens: int) -> dict:
-        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
+        body = {**self.prompt_fields(prompt), "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
         if self.model:
             body["model"] = self.model
         return body
 
     @staticmethod
-    def on_payload(result: RequestResult, now: float, t0: float, data: str, payload: Any) -> None:
+    def prompt_fields(prompt: str) -> dict:
+        return {"prompt": prompt, "ignore_eos": True}
+
+    @staticmethod
+    def text_of(choice: dict) -> str:
+        return choice.get("text") or ""
+
+    @classmethod
+    def on_payload(cls, result: RequestResult, now: float, t0: float, data: str, payload: Any) -> None:
         if not isinstance(payload, dict):
             result.error = f"not JSON in the stream: {data[:200]}"
             return
         choices = payload.get("choices") or []
         if choices:
-            result.chunk(now, choices[0].get("text") or "", t0)
+            result.chunk(now, cls.text_of(choices[0]), t0)
         if usage := payload.get("usage"):
             result.output_tokens = usage.get("completion_tokens", result.output_tokens)
 
@@ -379,7 +389,47 @@ class ShortfinBackend(_Backend):
         result.ttft_is_e2e = True
 
 
-BACKENDS = {"openai": OpenAIBackend, "shortfin": ShortfinBackend}
+class ChatBackend(OpenAIBackend):
+    """POST {base}/v1/chat/completions: the prompt as one user message, rendered by the chat
+    template, greedy and streamed with usage, ending where the model ends its turn (no
+    `ignore_eos`, which Anthropic's API has no word for), so it pairs with `anthropic`."""
+
+    name = "chat"
+    path = "/v1/chat/completions"
+
+    @staticmethod
+    def prompt_fields(prompt: str) -> dict:
+        return {"messages": [{"role": "user", "content": prompt}]}
+
+    @staticmethod
+    def text_of(choice: dict) -> str:
+        return (choice.get("delta") or {}).get("content") or ""
+
+
+class AnthropicBackend(OpenAIBackend):
+    """POST {base}/v1/messages, Anthropic's Messages API: the same request as `chat`, streamed
+    as Anthropic's events (text in content_block_delta, the output tokens in message_delta)."""
+
+    name = "anthropic"
+    path = "/v1/messages"
+
+    def payload(self, prompt: str, max_tokens: int) -> dict:
+        return {"model": self.model or "", "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": max_tokens, "temperature": 0, "stream": True}
+
+    @staticmethod
+    def on_payload(result: RequestResult, now: float, t0: float, data: str, payload: Any) -> None:
+        if not isinstance(payload, dict):
+            result.error = f"not JSON in the stream: {data[:200]}"
+            return
+        delta = payload.get("delta") or {}
+        if payload.get("type") == "content_block_delta" and delta.get("type") == "text_delta":
+            result.chunk(now, delta.get("text") or "", t0)
+        elif payload.get("type") == "message_delta":
+            result.output_tokens = (payload.get("usage") or {}).get("output_tokens", result.output_tokens)
+
+
+BACKENDS = {"openai": OpenAIBackend, "chat": ChatBackend, "anthropic": AnthropicBackend, "shortfin": ShortfinBackend}
 
 
 def make_backend(name: str, base_url: str, **options: Any):
@@ -603,7 +653,7 @@ def report(args: argparse.Namespace, metrics: dict, requests: list[dict]) -> int
 
 def main(argv: list[str] | None = None) -> int:
     args = arguments("python -m benchmarks.loadgen", __doc__.split("\n\n")[0]).parse_args(argv)
-    backend_options = {"model": args.model} if args.backend == "openai" and args.model else {}
+    backend_options = {"model": args.model} if args.backend in ("openai", "chat", "anthropic") and args.model else {}
     metrics, results = bench(args.backend, args.base_url, workload_of(args), args.rate, args.concurrency, args.seed,
                              **backend_options)
     return report(args, metrics, [r.record() for r in results])

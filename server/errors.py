@@ -1,4 +1,5 @@
-"""Errors as clients expect them: OpenAI's JSON on /v1 (and elsewhere), shortfin's on /generate.
+"""Errors as clients expect them: OpenAI's JSON on /v1 (and elsewhere), shortfin's on /generate,
+Anthropic's on /v1/messages.
 
 Every error Kiln raises is a `KilnError` whose type carries its HTTP status, OpenAI
 `type` and `code`, and the field at fault; this module only formats them. Validation
@@ -8,6 +9,9 @@ middleware, which keeps the connection open.)
 """
 
 from __future__ import annotations
+
+import contextlib
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -44,6 +48,19 @@ _SHORTFIN_CODES = {
     "method_not_allowed": "METHOD_NOT_ALLOWED",
 }
 
+# Anthropic's error types by status (its SDK reads `error.type`); 503, a full queue or a server
+# not ready, is what Anthropic calls overloaded.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PATHS = "/v1/messages"
+
 
 class APIError(KilnError):
     """An error of the HTTP layer itself (authentication, limits, routes), with its status."""
@@ -70,7 +87,31 @@ def error_body(path: str, error: KilnError) -> dict:
         shortfin_code = _SHORTFIN_CODES.get(error.code or "", "INVALID_REQUEST_ARGS" if error.status < 500
                                             else "INTERNAL_ERROR")
         return {"error": error.message, "code": shortfin_code}
+    if path.rstrip("/").startswith(ANTHROPIC_PATHS):
+        return anthropic_error(error)
     return {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
+
+
+def anthropic_error(error: KilnError) -> dict:
+    """Anthropic's error body: its type by status, the message naming the field at fault."""
+    kind = _ANTHROPIC_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
+    message = error.message if error.param is None or error.param in error.message else \
+        f"{error.param}: {error.message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+@contextlib.contextmanager
+def fields_named(names: dict[str, str]):
+    """InvalidRequestErrors raised inside name the field by this API's word for it: a route that
+    runs chat's machinery for another API (Responses, Anthropic's) shows its own field names."""
+    try:
+        yield
+    except InvalidRequestError as error:
+        name = names.get(error.param)
+        if name is None:
+            raise
+        message = re.sub(rf"\b{re.escape(error.param)}\b", name, error.message)
+        raise InvalidRequestError(message, param=name) from None
 
 
 def error_response(path: str, error: KilnError) -> JSONResponse:

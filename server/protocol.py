@@ -1,4 +1,4 @@
-"""Request bodies, as OpenAI, vLLM and shortfin define them (pydantic models FastAPI validates).
+"""Request bodies, as OpenAI, vLLM, shortfin and Anthropic define them (pydantic models FastAPI validates).
 
 Fields a server may not know are ignored, as vLLM does; fields Kiln knows but cannot
 honour (tools, beam search...) are rejected by the routes with a 400.
@@ -6,7 +6,7 @@ honour (tools, beam search...) are rejected by the routes with a 400.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -195,6 +195,140 @@ class ResponsesRequest(BaseModel):
             if len(kept) != len(data["input"]):
                 data = {**data, "input": kept}
         return data
+
+
+# -- Anthropic's Messages API (/v1/messages) -------------------------------------------------------
+# Content blocks by their `type`; fields a block may carry that change nothing here (cache_control,
+# citations) are ignored. Blocks that need what a text model cannot read (images, documents) or a
+# hosted tool's output are refused by name, so the client learns which block is at fault.
+
+class AnthropicText(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class AnthropicToolUse(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class AnthropicToolResult(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: list[AnthropicText] | str = ""
+    is_error: bool = False
+
+
+class AnthropicThinking(BaseModel):
+    """An earlier reply's thinking, which clients send back; chat templates leave it out."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None
+
+
+AnthropicBlock = Annotated[AnthropicText | AnthropicToolUse | AnthropicToolResult | AnthropicThinking,
+                           Field(discriminator="type")]
+
+
+class AnthropicMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["user", "assistant"]
+    content: list[AnthropicBlock] | str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_what_a_text_model_cannot_read(cls, data: Any) -> Any:
+        blocks = data.get("content") if isinstance(data, dict) else None
+        for index, block in enumerate(blocks if isinstance(blocks, list) else []):
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind in ("image", "document", "search_result", "container_upload"):
+                raise ValueError(f"content.{index}: {kind} blocks are not supported: the model reads text")
+        return data
+
+
+class AnthropicTool(BaseModel):
+    """A client tool (Anthropic's `custom`, the default type); hosted tools carry other types."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str | None = None
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class AnthropicToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class AnthropicThinkingConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class AnthropicOutputFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class AnthropicOutputConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # effort: a hosted model's option
+
+    format: AnthropicOutputFormat | None = None
+
+
+class AnthropicMetadata(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    user_id: str | None = None
+
+
+class AnthropicCountTokensRequest(BaseModel):
+    """What /v1/messages/count_tokens reads: the prompt's part of a Messages request."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: list[AnthropicText] | str | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: AnthropicThinkingConfig | None = None
+
+
+class AnthropicMessagesRequest(AnthropicCountTokensRequest):
+    max_tokens: int
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool = False
+    metadata: AnthropicMetadata | None = None
+    output_config: AnthropicOutputConfig | None = None
+    output_format: AnthropicOutputFormat | None = None  # the structured-outputs beta's place for it
+    service_tier: str | None = None  # accepted; one tier here
 
 
 # -- shortfin's /generate (shortfin_apps/llm/components/io_struct.py) -----------------------

@@ -5,10 +5,10 @@
   failure of Kiln's own, a well-formed 500 that leaves the connection usable (an exception
   let through to the server would make it drop the connection, and with it the next
   request a pooling client sends on it).
-- Guard: API keys (`Authorization: Bearer`, 401 without) and a per-key token-bucket rate
-  limit (429 with `Retry-After`) that counts generations: an HTTP request is one, and on
-  a WebSocket each `generate` message is one (the route takes it from the same bucket);
-  /health and /metrics stay open.
+- Guard: API keys (`Authorization: Bearer`, or `x-api-key` as Anthropic's clients send it; 401
+  without) and a per-key token-bucket rate limit (429 with `Retry-After`) that counts
+  generations: an HTTP request is one, and on a WebSocket each `generate` message is one (the
+  route takes it from the same bucket); /health and /metrics stay open.
 - BodyLimit: 413 for a body over the limit, by Content-Length or while it streams in.
 """
 
@@ -36,7 +36,8 @@ access_log = logging.getLogger("kiln.access")
 OPEN_PATHS = {"/health", "/metrics"}
 # Where Guard leaves a WebSocket's rate-limit check (scope state): the route calls it per generation.
 RATE_LIMIT_STATE = "check_rate_limit"
-KNOWN_ROUTES = {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health",
+KNOWN_ROUTES = {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+                "/v1/messages/count_tokens", "/v1/models", "/health",
                 "/metrics", "/ws", "/tokenize", "/detokenize", "/tokenizer_info"}
 SECURITY_HEADERS = {
     "x-content-type-options": "nosniff",
@@ -154,7 +155,8 @@ class Guard:
             return await self.app(scope, receive, send)
         key = self._key(scope)
         if self.api_keys and not self._authorized(key):
-            error = APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+            error = APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>' (or "
+                             "'x-api-key: <key>', as Anthropic's clients do)",
                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
             return await reject(scope, receive, send, error)
         if self.rate_limit > 0:
@@ -236,7 +238,8 @@ class JsonBodies:
     body as JSON; so do we, rather than refuse a well-formed request over a header.
     """
 
-    JSON_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize")
+    JSON_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+                   "/v1/messages/count_tokens", "/tokenize", "/detokenize")
 
     def __init__(self, app: ASGIApp):
         self.app = app

@@ -6,15 +6,18 @@ official SDK and tools built on it (lm-eval's local-completions among them) work
 
 from __future__ import annotations
 
+import datetime
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from kiln.runtime.errors import InvalidRequestError
+from kiln.runtime.errors import InvalidRequestError, ModelNotFoundError
+from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.service import GenerateService, ServiceState
 
 from ..errors import error_body, failure_of
@@ -45,16 +48,31 @@ def include_usage(body: OpenAISampling) -> bool:
 
 
 # -- /v1/models -----------------------------------------------------------------------------
-@router.get("/v1/models")
-async def list_models(request: Request):
-    state = request.app.state
+# Each model in OpenAI's fields (vLLM's root and max_model_len beside) and Anthropic's (type,
+# display_name, created_at), and the list with Anthropic's paging fields, so both SDKs read them.
+def model_card(state, name: str) -> dict:
     service, settings = state.service, state.settings
     max_len = service.max_seq_len if service.state is ServiceState.READY else None
-    return {"object": "list", "data": [
-        {"id": name, "object": "model", "created": state.started_at, "owned_by": "kiln",
-         "root": settings.model_name, "max_model_len": max_len}
-        for name in settings.served_model_names
-    ]}
+    created_at = datetime.datetime.fromtimestamp(state.started_at, datetime.timezone.utc).isoformat()
+    return {"id": name, "object": "model", "created": state.started_at, "owned_by": "kiln",
+            "root": settings.model_name, "max_model_len": max_len,
+            "type": "model", "display_name": name, "created_at": created_at.replace("+00:00", "Z")}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request):
+    names = request.app.state.settings.served_model_names
+    return {"object": "list", "data": [model_card(request.app.state, name) for name in names],
+            "has_more": False, "first_id": names[0], "last_id": names[-1]}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, request: Request):
+    settings = request.app.state.settings
+    if not model or not settings.knows_model(model):
+        known = ", ".join(map(repr, settings.served_model_names))
+        raise ModelNotFoundError(f"the model {model!r} does not exist: this server serves {known}", param="model")
+    return model_card(request.app.state, model)
 
 
 # -- /v1/completions ------------------------------------------------------------------------
@@ -214,19 +232,30 @@ def tool_instructions(tools: Tools) -> str:
             "<args-json-object>}</tool_call>.")
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request):
-    state, service, settings = prepare(request, body)
-    if body.top_logprobs is not None and not body.logprobs:
-        raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
-    logprobs = check_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
+@dataclass
+class ChatRun:
+    """A chat request made ready to run: its rendered prompt, sampling parameters (with the
+    grammar a forced tool call or the output format needs), the tool-call format to read from the
+    answer (None: the reply holds no calls), and how the reply divides into reasoning and answer."""
+
+    prompt: ChatPrompt
+    params: SamplingParams
+    parser: str | None
+    reasoning: ReplyReasoning
+
+
+async def plan_chat(service: GenerateService, settings: ServerSettings, body: ChatCompletionRequest,
+                    logprobs: int | None = None, fit_context: bool = False) -> ChatRun:
+    """What /v1/chat/completions and Anthropic's /v1/messages do alike before a chat runs. The
+    reply may have max_tokens, or the rest of the context where none is given; with `fit_context`
+    a max_tokens past the rest of the context is cut to it (Anthropic's rule), not refused."""
     tools = Tools.of(body.tools, body.tool_choice)
     parser = choose_parser(settings.tool_call_parser, chat_template_of(service, settings))
     rendered = await chat_prompt(service, body, settings, tools)
-    prompt = rendered.ids
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    if max_tokens is None:
-        max_tokens = rest_of_context(service, prompt)
+    if max_tokens is None or fit_context:
+        rest = rest_of_context(service, rendered.ids)
+        max_tokens = rest if max_tokens is None else min(max_tokens, max(rest, 1))
     params = openai_params(body, max_tokens, logprobs, model_defaults=service.generation_defaults)
     forced = tools.constraint(parser) if tools is not None else None
     if forced is not None:  # tool_choice required or named: the call's grammar
@@ -237,15 +266,30 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     reasoning = ReplyReasoning(reasoning_parser(settings.reasoning_parser), rendered.text, body.chat_template_kwargs,
                                body.include_reasoning)
     params.constraint = reasoning.constrain_answer(params.constraint)
-    parser = parser if tools is not None and tools.active else None
-    chat_id = f"chatcmpl-{uuid.uuid4().hex}"
+    return ChatRun(rendered, params, parser if tools is not None and tools.active else None, reasoning)
+
+
+async def submit_chat(state, run: ChatRun, request_id: str, priority: int = 0) -> Generation:
+    """The chat's generation, submitted; a prompt the model cannot take is its messages' fault."""
     try:
-        generation = await Generation(service, settings, state.metrics, [prompt], [params], [chat_id],
-                                      body.priority).submit()
+        return await Generation(state.service, state.settings, state.metrics, [run.prompt.ids], [run.params],
+                                [request_id], priority).submit()
     except InvalidRequestError as error:
         if error.param != "prompt":
             raise
-        raise InvalidRequestError(error.message, param="messages") from None  # chat's prompt is its messages
+        raise InvalidRequestError(error.message, param="messages") from None
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    state, service, settings = prepare(request, body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+    logprobs = check_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
+    run = await plan_chat(service, settings, body, logprobs)
+    parser, reasoning = run.parser, run.reasoning
+    chat_id = f"chatcmpl-{uuid.uuid4().hex}"
+    generation = await submit_chat(state, run, chat_id, body.priority)
     header = {"id": chat_id, "created": int(time.time()), "model": body.model or settings.model_name,
               "system_fingerprint": None}
     token_text = state.token_text

@@ -12,26 +12,24 @@ function tools, which /v1/chat/completions serves.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
 from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.sampling import SamplingParams
 
-from ..errors import failure_of
+from ..errors import failure_of, fields_named
 from ..generation import Choice, Generation, Usage, admit, rest_of_context
 from ..logprobs import TokenText
 from ..params import format_constraint, openai_params
 from ..protocol import ChatCompletionRequest, ChatMessage, ResponsesInputMessage, ResponsesRequest, ResponsesTextFormat
 from ..reasoning import ReplyReasoning, reasoning_parser
 from .openai_routes import chat_prompt
-from .streaming import EventStream, sse, unless_disconnected
+from .streaming import one_reply, sse
 
 router = APIRouter()
 
@@ -48,7 +46,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     refuse_unsupported(body)
     text_format = body.text.format if body.text is not None else ResponsesTextFormat()
     chat = as_chat(body)
-    with own_names():
+    with fields_named(_OWN_NAMES):
         rendered = await chat_prompt(service, chat, settings, tools=None)
         prompt = rendered.ids
         max_tokens = body.max_output_tokens if body.max_output_tokens is not None else rest_of_context(service, prompt)
@@ -58,13 +56,7 @@ async def create_response(body: ResponsesRequest, request: Request):
             format_constraint(text_format.type, text_format.json_schema, "text.format"))
         view = ResponseView(body, text_format, body.model or settings.model_name, params, reasoning, state.token_text)
         generation = await Generation(service, settings, state.metrics, [prompt], [params], [view.id]).submit()
-    if body.stream:
-        return EventStream(view.stream(generation), on_close=generation.abort)
-    [result] = await unless_disconnected(request, generation.collect())
-    [choice] = result.choices
-    if (error := failure_of(choice)) is not None:
-        raise error
-    return JSONResponse(view.whole(choice, generation.usage()))
+    return await one_reply(request, generation, view, body.stream)
 
 
 def refuse_unsupported(body: ResponsesRequest) -> None:
@@ -107,19 +99,6 @@ def as_chat(body: ResponsesRequest) -> ChatCompletionRequest:
         raise InvalidRequestError("input holds no message (and there are no instructions)", param="input")
     return ChatCompletionRequest(model=body.model, messages=messages, temperature=body.temperature,
                                  top_p=body.top_p, user=body.user)
-
-
-@contextlib.contextmanager
-def own_names():
-    """Errors from chat's machinery, naming this API's fields instead of chat's."""
-    try:
-        yield
-    except InvalidRequestError as error:
-        name = _OWN_NAMES.get(error.param)
-        if name is None:
-            raise
-        raise InvalidRequestError(error.message.replace("max_tokens", name) if name == "max_output_tokens"
-                                  else error.message, param=name) from None
 
 
 def status_of(finish_reason: str | None) -> str:

@@ -15,8 +15,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
+
+from ..errors import failure_of
 
 DONE = b"data: [DONE]\n\n"
 T = TypeVar("T")
@@ -84,3 +86,15 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
             await task
         raise ClientDisconnected()
     return task.result()
+
+
+async def one_reply(request: Request, generation, view, stream: bool) -> Response:
+    """The answer of a route that runs one sequence (the Responses API, Anthropic's Messages): the
+    view's events as they come, or its whole body once the sequence is done (its failure raised)."""
+    if stream:
+        return EventStream(view.stream(generation), on_close=generation.abort)
+    [result] = await unless_disconnected(request, generation.collect())
+    [choice] = result.choices
+    if (error := failure_of(choice)) is not None:
+        raise error
+    return JSONResponse(view.whole(choice, generation.usage()))

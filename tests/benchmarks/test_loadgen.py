@@ -143,6 +143,29 @@ def test_openai_events():
     assert bad.error == "aborted" and not bad.ok
 
 
+def test_chat_and_anthropic_events():
+    chat = RequestResult()
+    on = loadgen.ChatBackend.on_event
+    on(chat, 1.0, 0.0, "message", '{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}')
+    on(chat, 1.1, 0.0, "message", '{"choices":[{"index":0,"delta":{"content":"hi"}}]}')
+    on(chat, 1.2, 0.0, "message", '{"choices":[],"usage":{"completion_tokens":2}}')
+    assert chat.ok and chat.text == "hi" and chat.output_tokens == 2 and chat.ttft == pytest.approx(1.1)
+    message = RequestResult()
+    on = loadgen.AnthropicBackend.on_event
+    text_delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": ""}}
+    events = [{"type": "message_start", "message": {"content": []}}, {"type": "ping"},
+              {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+              {**text_delta, "delta": {"type": "text_delta", "text": "he"}},
+              {**text_delta, "delta": {"type": "text_delta", "text": "y"}},
+              {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 3}}]
+    for number, event in enumerate(events):
+        on(message, 1.0 + number * 0.1, 0.0, event["type"], json.dumps(event))
+    assert message.ok and message.text == "hey" and message.output_tokens == 3
+    failed = RequestResult()
+    on(failed, 1.0, 0.0, "error", '{"type":"error","error":{"type":"overloaded_error","message":"queue full"}}')
+    assert not failed.ok and "queue full" in failed.error
+
+
 def test_shortfin_events_json_and_plain():
     r = RequestResult()
     on = loadgen.ShortfinBackend.on_event

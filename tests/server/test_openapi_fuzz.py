@@ -15,7 +15,7 @@ EXAMPLES_PER_OPERATION = 40
 def test_no_request_gets_a_server_error(fake_server):
     schema = schemathesis.openapi.from_url(f"http://127.0.0.1:{fake_server}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/generate"}
+    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/generate"}
     failures = []
     for operation in operations:
 
