@@ -21,6 +21,7 @@ from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.service import GenerateService, ServiceState
 
 from ..errors import error_body, failure_of
+from ..fill_in_middle import FillInMiddle
 from ..generation import Choice, Generation, admit, rest_of_context
 from ..logprobs import TokenText, chat_logprobs, completion_logprobs, join_completion_logprobs
 from ..params import check_logprobs, openai_params
@@ -53,7 +54,7 @@ def include_usage(body: OpenAISampling) -> bool:
 def model_card(state, name: str) -> dict:
     service, settings = state.service, state.settings
     max_len = service.max_seq_len if service.state is ServiceState.READY else None
-    created_at = datetime.datetime.fromtimestamp(state.started_at, datetime.timezone.utc).isoformat()
+    created_at = datetime.datetime.fromtimestamp(state.started_at, datetime.UTC).isoformat()
     return {"id": name, "object": "model", "created": state.started_at, "owned_by": "kiln",
             "root": settings.model_name, "max_model_len": max_len,
             "type": "model", "display_name": name, "created_at": created_at.replace("+00:00", "Z")}
@@ -76,14 +77,18 @@ async def retrieve_model(model: str, request: Request):
 
 
 # -- /v1/completions ------------------------------------------------------------------------
-async def completion_prompts(service: GenerateService, body: CompletionRequest,
-                             settings: ServerSettings) -> tuple[list[list[int]], list[str]]:
-    """Token ids and text of each prompt: a string, strings, token ids, or lists of token ids."""
+async def completion_prompts(service: GenerateService, body: CompletionRequest, settings: ServerSettings,
+                             fim: FillInMiddle | None = None) -> tuple[list[list[int]], list[str]]:
+    """Token ids and text of each prompt: a string, strings, token ids, or lists of token ids;
+    with `fim`, each text is the prefix of a fill-in-the-middle before the request's suffix."""
     prompt = body.prompt
     if isinstance(prompt, str):
         texts = [prompt]
     elif prompt and all(isinstance(p, str) for p in prompt):
         texts = list(prompt)
+    elif fim is not None:
+        raise InvalidRequestError("suffix needs the prompt as text: the prefix it is filled in after",
+                                  param="suffix")
     elif prompt and all(isinstance(p, int) for p in prompt):
         ids = service.check_token_ids(prompt)
         return [ids], [service.decode(ids, skip_special_tokens=False)]
@@ -96,23 +101,43 @@ async def completion_prompts(service: GenerateService, body: CompletionRequest,
         raise InvalidRequestError("prompt must be a string, a list of strings or token ids, and not empty", param="prompt")
     if len(texts) > settings.max_prompts:
         raise InvalidRequestError(f"at most {settings.max_prompts} prompts per request, got {len(texts)}", param="prompt")
-    return [await encode(service, t, settings.max_prompt_chars, add_special_tokens=body.add_special_tokens)
-            for t in texts], texts
+    limit = settings.max_prompt_chars
+    if fim is None:
+        return [await encode(service, t, limit, add_special_tokens=body.add_special_tokens) for t in texts], texts
+    lead = await encode(service, "", limit, add_special_tokens=body.add_special_tokens)
+    suffix = await encode(service, body.suffix, limit, add_special_tokens=False, param="suffix")
+    return [fim.prompt(lead, await encode(service, t, limit, add_special_tokens=False), suffix) for t in texts], texts
+
+
+def fill_in_middle(service: GenerateService, body: CompletionRequest) -> FillInMiddle | None:
+    """The model's fill-in-the-middle tokens where the request gives a suffix; a 400 for a model
+    without them, or with echo (which would show the prompt the tokens make)."""
+    if not body.suffix:
+        return None
+    fim = FillInMiddle.of(service.tokenizer)
+    if fim is None:
+        raise InvalidRequestError("suffix needs a fill-in-the-middle model (a code model whose vocabulary has "
+                                  "<|fim_prefix|>, <fim_prefix> or DeepSeek-Coder's FIM tokens): this one has none",
+                                  param="suffix")
+    if body.echo:
+        raise InvalidRequestError("echo cannot be combined with suffix", param="echo")
+    return fim
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     state, service, settings = prepare(request, body)
-    if body.suffix:
-        raise InvalidRequestError("suffix is not supported", param="suffix")
+    fim = fill_in_middle(service, body)
     logprobs = check_logprobs(body.logprobs, "logprobs")
-    prompts, texts = await completion_prompts(service, body, settings)
+    prompts, texts = await completion_prompts(service, body, settings, fim)
     # echo with max_tokens 0 (what older lm-eval sends for loglikelihood): the prompt alone,
     # scored; one token is generated to run the prefill, and dropped.
     echo_only = body.echo and body.max_tokens == 0
     max_tokens = 1 if echo_only else (16 if body.max_tokens is None else body.max_tokens)
     params = openai_params(body, max_tokens, logprobs, prompt_logprobs=logprobs if body.echo else None,
                            model_defaults=service.generation_defaults)
+    if fim is not None:  # a fill ends at the model's own end-of-fill tokens too
+        params.stop_token_ids += [token for token in fim.ends if token not in params.stop_token_ids]
     completion_id = f"cmpl-{uuid.uuid4().hex}"
     generation = await Generation(service, settings, state.metrics, prompts, [params] * len(prompts),
                                   [f"{completion_id}-{i}" for i in range(len(prompts))], body.priority).submit()
