@@ -185,6 +185,8 @@ class GrammarCompiler:
                 grammar = llguidance.grammar_from("regex", "|".join(map(_regex_literal, json.loads(constraint.text))))
             else:
                 grammar = llguidance.grammar_from(KINDS[constraint.kind], constraint.text)
+        except InvalidRequestError:
+            raise  # already names the field (it is a ValueError too)
         except (ValueError, TypeError) as error:
             raise InvalidRequestError(f"{param}: {error}", param=param) from None
         problem = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)

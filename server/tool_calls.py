@@ -57,6 +57,9 @@ class Tools:
             if not isinstance(name, str) or not name:
                 raise InvalidRequestError(f"tools[{index}] must be {{\"type\": \"function\", \"function\": "
                                           "{\"name\": ..., \"parameters\": {...}}}", param="tools")
+            if name in functions:  # a call could not say which of the two it means
+                raise InvalidRequestError(f"tools[{index}]: the name {name!r} is given twice; tool names must be "
+                                          "unique", param="tools")
             parameters = function.get("parameters") or {"type": "object", "properties": {}}
             if not isinstance(parameters, dict):
                 raise InvalidRequestError(f"tools[{index}].function.parameters must be a JSON schema object",

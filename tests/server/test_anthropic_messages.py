@@ -34,6 +34,8 @@ REPLIES = {  # the first trigger the prompt holds wins: a tool's result before t
     "weather, quickly": '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris","unit":"c"}}\n</tool_call>',
     "two cities": "".join(f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}", "unit": "c"}}}}'
                           '\n</tool_call>\n' for city in ("Paris", "Rome")),
+    "Think, then call": '<think>The tool knows.</think>\n<tool_call>\n{"name": "get_weather", "arguments": '
+                        '{"city": "Oslo", "unit": "f"}}\n</tool_call>',
     "Ponder": "<think>\nSmall steps.\n</think>\n\nDone pondering.",
     "Describe Bo": '{"name":"Bo","age":7}',
     "Go on forever": "la " * 400,
@@ -201,6 +203,16 @@ def test_thinking_blocks(thinking):
     assert counts[0] == counts[1]
 
 
+def test_thinking_then_a_call(thinking):
+    whole = ask(thinking, "Think, then call", tools=[WEATHER])
+    events, final = streamed(thinking, "Think, then call", tools=[WEATHER])
+    for message in (whole, final):
+        assert [block.type for block in message.content] == ["thinking", "tool_use"]
+        assert message.content[1].input == {"city": "Oslo", "unit": "f"} and message.stop_reason == "tool_use"
+    starts = [(e.index, e.content_block.type) for e in events if e.type == "content_block_start"]
+    assert starts == [(0, "thinking"), (1, "tool_use")]
+
+
 def test_prefill_and_structured_output(served):
     prefilled = ask(served, "", messages=[{"role": "user", "content": "What is the capital of France?"},
                                           {"role": "assistant", "content": "The capital of France"}])
@@ -228,6 +240,11 @@ def test_errors_are_anthropics_shape(served):
     hosted = refused({"model": "fake", "max_tokens": 5, "messages": user,
                       "tools": [{"type": "web_search_20250305", "name": "web_search", "input_schema": {}}]})
     assert "hosted" in hosted["message"] and hosted["type"] == "invalid_request_error"
+    assert "given twice" in refused({"model": "fake", "max_tokens": 5, "messages": user,
+                                     "tools": [WEATHER, WEATHER]})["message"]
+    endless_schema = {"format": {"type": "json_schema", "schema": {"$ref": "#"}}}
+    assert refused({"model": "fake", "max_tokens": 5, "messages": user, "output_config": endless_schema})[
+        "message"].startswith("output_config.format: no finite JSON value")
     assert "stop_sequences" in refused({"model": "fake", "max_tokens": 5, "messages": user,
                                         "stop_sequences": ["x"] * 100})["message"]
     wrong_role = refused({"model": "fake", "max_tokens": 5, "messages": [{"role": "user", "content": [

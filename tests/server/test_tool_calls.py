@@ -56,7 +56,7 @@ def test_tools_are_checked_and_the_parser_follows_the_template():
     assert Tools.of([WEATHER], {"type": "function", "function": {"name": "get_weather"}}).named == "get_weather"
     for tools, choice, param in (([{"type": "function"}], None, "tools"), ([WEATHER], "sometimes", "tool_choice"),
                                  ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
-                                 (None, "required", "tool_choice")):
+                                 (None, "required", "tool_choice"), ([WEATHER, TIME, WEATHER], None, "tools")):
         with pytest.raises(InvalidRequestError) as error:
             Tools.of(tools, choice)
         assert error.value.param == param
