@@ -58,6 +58,7 @@ class Batcher:
         self.counters = BatcherCounters()
         self.requests: dict[str, Request] = {}
         self._pending_aborts: set[str] = set()
+        self._pending_resets: list[asyncio.Future] = []  # prefix-cache resets, each awaiting its count
         self._wake = asyncio.Event()
         self._stopping = False
         self._task: asyncio.Task | None = None
@@ -138,6 +139,25 @@ class Batcher:
         if request.finished:
             self.requests.pop(request.request_id, None)
 
+    async def reset_prefix_cache(self) -> int:
+        """Drop every cached page no request uses (device and host tiers), between steps;
+        returns how many went."""
+        done = asyncio.get_running_loop().create_future()
+        self._pending_resets.append(done)
+        self._wake.set()
+        return await done
+
+    async def _apply_resets(self) -> None:
+        if not self._pending_resets:
+            return
+        if self.kv_tiers is not None and self.kv_tiers.copies_pending:
+            await self.copy_pages()  # no copy may still be bound for a slot the reset frees
+        dropped = self.scheduler.cache.clear_unreferenced()
+        for done in self._pending_resets:
+            if not done.done():
+                done.set_result(dropped)
+        self._pending_resets.clear()
+
     # -- the loop ---------------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self.run(), name="kiln-batcher")
@@ -151,6 +171,7 @@ class Batcher:
     async def run(self) -> None:
         while not self._stopping:
             self._apply_aborts()
+            await self._apply_resets()
             batch = self.scheduler.schedule()
             if batch is None and self.kv_tiers is not None and self.kv_tiers.copies_pending:
                 await self.copy_pages()  # idle: make the copies now rather than before the next step
@@ -180,6 +201,9 @@ class Batcher:
                 self._end(self.scheduler.sequences_of(batch), "error", f"internal error: {error}")
             # Let request handlers run between steps even when the device is fast.
             await asyncio.sleep(0)
+        for done in self._pending_resets:  # stopped first: nothing was dropped
+            if not done.done():
+                done.set_result(0)
 
     async def copy_pages(self) -> None:
         """The host tier's waiting copies, made between steps; then what went to the host is

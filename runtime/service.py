@@ -248,6 +248,13 @@ class GenerateService:
             raise InvalidRequestError("the server has no disk KV tier: start it with --kv-cache-dir")
         return await self.kv_tiers.restore_prefix(prompt_ids)
 
+    async def reset_prefix_cache(self) -> int:
+        """Drop every cached page no request uses (device and host tiers; the disk tier keeps its
+        files), between steps: what vLLM's reset_prefix_cache and SGLang's flush_cache do.
+        Returns how many cached pages went."""
+        self.check_ready()
+        return await self.batcher.reset_prefix_cache()
+
     def _load_verifier(self, abi, tokens: int) -> None:
         """APD's verifier: an autoregressive export with the same tokenizer, scoring drafts with
         its prefill (start positions, every position's logits), in a cache of its own."""

@@ -107,6 +107,11 @@ class BasePagedAttentionCache(ABC):
     def free_cache_pages(self, allocation: PageAllocation) -> None:
         """The sequence is done: drop its references (idempotent)."""
 
+    def clear_unreferenced(self) -> int:
+        """Drop every cached page no sequence uses, in every tier but disk; returns how many
+        (a cache that shares no prefixes keeps none). No host copy may be pending."""
+        return 0
+
     @abstractmethod
     def stats(self) -> CacheStats: ...
 

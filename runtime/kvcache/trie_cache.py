@@ -207,6 +207,31 @@ class TriePagedAttentionCache(BasePagedAttentionCache):
         """Drop every cached page no sequence uses; returns how many (for tests and resets)."""
         return self._evict(self._unreferenced_node_count)
 
+    def clear_unreferenced(self) -> int:
+        """Every node no allocation uses leaves the trie, its device page and host slot freed
+        (vLLM's reset_prefix_cache, SGLang's flush_cache); returns how many nodes went. A
+        referenced node's ancestors are referenced too, so what goes is whole subtrees."""
+        dropped = 0
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            for child in list(node.children.values()):
+                if child.ref_count:
+                    stack.append(child)
+                    continue
+                subtree = [child]
+                for gone in subtree:  # grows as it goes: the child and all below it
+                    subtree.extend(gone.children.values())
+                    if gone.page != 0:
+                        self.page_pool.release([gone.page])
+                        gone.page = 0
+                        self._node_count -= 1
+                        self._unreferenced_node_count -= 1
+                node.device_children = sum(c.page != 0 for c in node.children.values())
+                dropped += len(subtree)
+                self._drop_subtree(child)
+        return dropped
+
     # --- references and eviction -------------------------------------------------------
 
     def _tick(self) -> int:

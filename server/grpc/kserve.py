@@ -32,6 +32,7 @@ from ..generation import Generation, admit, check_limits
 from ..metrics import Metrics
 from ..prompts import encode
 from ..settings import ServerSettings
+from ..version import kiln_version
 from .status import status_of
 
 log = logging.getLogger("kiln.grpc")
@@ -160,7 +161,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelReadyResponse(ready=self._ready())
 
     async def ServerMetadata(self, request, context):
-        return pb.ServerMetadataResponse(name="kiln", version="0.1.0", extensions=["generate"])
+        return pb.ServerMetadataResponse(name="kiln", version=kiln_version(), extensions=["generate"])
 
     async def ModelMetadata(self, request, context):
         await self._known(request.name, context)

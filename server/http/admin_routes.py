@@ -1,6 +1,8 @@
-"""The prefix cache's disk tier by hand (llama.cpp's slot save and restore, by prompt): save a
+"""The prefix cache by hand. Its disk tier (llama.cpp's slot save and restore, by prompt): save a
 prompt's pages to disk now, or read them back into host memory ahead of the request that needs
-them. Behind the API key like every route; a 400 when the server has no disk tier.
+them (a 400 when the server has no disk tier). The whole cache emptied of what no request uses
+(vLLM's /reset_prefix_cache, SGLang's /flush_cache, which benchmarks call before a cold run).
+And /version, as vLLM answers it. Behind the API key like every route.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from kiln.runtime.errors import InvalidRequestError
 
 from ..generation import admit
 from ..prompts import encode
+from ..version import kiln_version
 
 router = APIRouter()
 
@@ -53,3 +56,16 @@ async def restore(body: KvCacheRequest, request: Request):
     service = request.app.state.service
     ids = await _prompt_ids(body, request)
     return _answer(service, ids, await service.restore_prefix_from_disk(ids))
+
+
+@router.post("/reset_prefix_cache")
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def reset_prefix_cache(request: Request):
+    """Every cached page no request uses dropped from the device and host tiers; requests in
+    flight keep theirs."""
+    return {"dropped_pages": await request.app.state.service.reset_prefix_cache()}
+
+
+@router.get("/version")
+async def server_version():
+    return {"version": kiln_version()}

@@ -493,3 +493,41 @@ def test_kv_events_report_pages_stored_and_evicted():
         batches.append(subscription.queue.get_nowait())
     assert [b.sequence_number for b in batches] == [3, 4] and batches[0].events == (seen[2],)
     trie.check_integrity()
+
+
+@pytest.mark.parametrize("write_policy", [None, "write_through", "write_back"])
+def test_clearing_drops_every_unused_page_in_every_tier_and_keeps_those_in_use(write_policy):
+    from kiln.runtime.kvcache.events import BlocksRemoved, KvEventLog
+
+    log = KvEventLog()
+    host = HostKvTier(HOST_SLOTS, STRIDE, np.int64, write_policy) if write_policy else None
+    cache = TriePagedAttentionCache(PagePool(PAGE_COUNT), STRIDE, host, events=log)
+    removed = []
+    log.add_listener(lambda batch: removed.extend(e for e in batch.events if isinstance(e, BlocksRemoved)))
+    device = np.zeros((PAGE_COUNT, STRIDE), dtype=np.int64)
+    shared = tokens_of(1, 8)  # two pages, then a branch in use and a branch left behind
+    in_use = cache.acquire_pages_for_tokens(shared + tokens_of(100, 5))
+    cache.publish_allocated_pages(in_use, shared + tokens_of(100, 4))
+    share_prefix(cache, shared + tokens_of(200, 8))
+    share_prefix(cache, tokens_of(50, 12))  # a prefix no one uses, of three pages
+    if host is not None:
+        host.flush(device)
+        cache.evict_all_unreferenced()  # some pages only in the host tier now
+        host.flush(device)
+        share_prefix(cache, tokens_of(50, 8))  # two of them back on the device, the third host-only
+        host.flush(device)
+    before = cache.stats()
+    assert before.cached > 0
+    dropped = cache.clear_unreferenced()
+    after = cache.stats()
+    assert after.cached == 0 and after.active == before.active
+    assert after.host_used == (3 if write_policy == "write_through" else 0)  # copies of the pages in use
+    assert after.free == USABLE - after.active
+    assert dropped == 5 and sum(len(event.block_hashes) for event in removed) >= 5
+    # What is in use stays, and still serves its prefix.
+    again = cache.acquire_pages_for_tokens(shared + tokens_of(100, 4) + [7])
+    assert again.cached_tokens == 12
+    assert cache.acquire_pages_for_tokens(tokens_of(50, 9)).cached_tokens == 0
+    cache.free_cache_pages(in_use)
+    cache.check_integrity()
+    assert make_cache("plain").clear_unreferenced() == 0

@@ -296,3 +296,16 @@ def test_the_tiny_model_answers_as_chat_does(tiny_server):
     assert message.content[0].text == twin.choices[0].message.content == streamed
     assert message.usage.output_tokens == twin.usage.completion_tokens
     assert message.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[twin.choices[0].finish_reason]
+
+
+@pytest.mark.e2e
+def test_a_client_that_leaves_a_stream_aborts_it(tiny_server):
+    aborted = tiny_server.metric('kiln_sequences_finished_total{reason="abort"}', default=0)
+    with anthropic.Anthropic(base_url=tiny_server.url, api_key="unused", max_retries=0, timeout=60) as sdk, \
+            sdk.messages.stream(model="tiny", max_tokens=100_000, extra_body=GREEDY,
+                                messages=[{"role": "user", "content": "Tell me a long story."}]) as stream:
+        for event in stream:
+            if event.type == "content_block_delta":
+                break
+    assert tiny_server.wait_metric('kiln_sequences_finished_total{reason="abort"}', aborted + 1) == aborted + 1
+    assert tiny_server.wait_metric("kiln_kv_pages_active", 0) == 0

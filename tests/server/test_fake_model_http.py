@@ -248,3 +248,20 @@ def test_vllm_named_series_for_routers(client):
     queries = after["vllm:prefix_cache_queries_total" + key] - before.get("vllm:prefix_cache_queries_total" + key, 0)
     hits = after["vllm:prefix_cache_hits_total" + key] - before.get("vllm:prefix_cache_hits_total" + key, 0)
     assert queries == 20 and 0 < hits < 10
+
+
+def test_reset_prefix_cache_drops_what_no_request_uses(client):
+    """vLLM's /reset_prefix_cache and SGLang's /flush_cache: a cold cache for the next request."""
+    prompt = list(range(20, 100))  # several full pages
+    body = {"model": "fake", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    client.post("/v1/completions", json=body)
+    cached = client.service.cache.stats().cached
+    assert cached > 0
+    again = client.post("/v1/completions", json=body).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert client.post("/reset_prefix_cache").json() == {"dropped_pages": cached}
+    assert client.service.cache.stats().cached == 0
+    cold = client.post("/v1/completions", json=body).json()
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert client.get("/flush_cache").json()["dropped_pages"] == cached
+    assert client.get("/version").json()["version"]
