@@ -331,6 +331,41 @@ class AnthropicMessagesRequest(AnthropicCountTokensRequest):
     service_tier: str | None = None  # accepted; one tier here
 
 
+# -- llama.cpp's /infill ------------------------------------------------------------------------
+
+class InfillChunk(BaseModel):
+    """Another file of the repository, as context for the fill."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    filename: str = "tmp"
+    text: str = ""
+
+
+class InfillRequest(BaseModel):
+    """What llama.cpp's /infill reads (as editor plug-ins send it), with llama.cpp's defaults."""
+
+    model_config = ConfigDict(extra="ignore")  # cache_prompt, samplers, response_fields...
+
+    model: str | None = None
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[InfillChunk] = Field(default_factory=list)
+    prompt: str = ""  # typed at the cursor: goes after the prefix
+    n_predict: int = -1  # -1: the rest of the context
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] = Field(default_factory=list)
+    seed: int | None = None
+    stream: bool = False
+    t_max_predict_ms: int = 0  # 0: none; else the fill stops this long after it began, once it holds a newline
+
+
 # -- shortfin's /generate (shortfin_apps/llm/components/io_struct.py) -----------------------
 
 class ShortfinSamplingParams(DiffusionFields):

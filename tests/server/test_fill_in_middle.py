@@ -1,9 +1,11 @@
-"""Fill-in-the-middle through /v1/completions' `suffix`, over real HTTP and the openai SDK: a
-scripted code model (a tokenizer with Qwen2.5-Coder's FIM tokens) answers only the exact
-prefix-suffix-middle prompt, and its fill ends at its own end-of-fill token; models without FIM
-tokens, token-id prompts and echo are refused naming the field."""
+"""Fill-in-the-middle through /v1/completions' `suffix` (the openai SDK) and llama.cpp's /infill,
+over real HTTP: a scripted code model (a tokenizer with Qwen2.5-Coder's FIM tokens) answers only
+the exact prefix-suffix-middle prompt (or the repository-level one), and its fill ends at its own
+end-of-fill token; models without FIM tokens, token-id prompts and echo are refused naming the field."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import openai
@@ -18,8 +20,13 @@ from tests.tiny_model import make_tiny_tokenizer
 FIM_TOKENS = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|file_sep|>"]
 PREFIX, SUFFIX = "def add(a, b):\n", "\n    return total"
 FILL = "    total = a + b"
+FIM = f"<|fim_prefix|>{PREFIX}<|fim_suffix|>{SUFFIX}<|fim_middle|>"
 # The whole prompt as the model must read it (BOS, the tiny tokenizer's lead, first).
-REPLIES = {f"<s><|fim_prefix|>{PREFIX}<|fim_suffix|>{SUFFIX}<|fim_middle|>": FILL + "<|fim_pad|>def more():"}
+REPLIES = {
+    "<s>" + FIM: FILL + "<|fim_pad|>def more():",
+    "<s><|file_sep|>util.py\nSCALE = 3\n<|file_sep|>filename\n" + FIM: "    total = (a + b) * SCALE<|fim_pad|>",
+    "<s><|fim_prefix|>lines = [<|fim_suffix|>]<|fim_middle|>": "'one',\n" + "'more', " * 100,
+}
 
 
 def code_tokenizer():
@@ -84,3 +91,44 @@ def test_a_model_without_fim_tokens_refuses_a_suffix(fake_server):
                           json={"prompt": "def f():", "suffix": "\n", "max_tokens": 4}, timeout=30)
     assert response.status_code == 400 and response.json()["error"]["param"] == "suffix"
     assert "fill-in-the-middle" in response.json()["error"]["message"]
+
+
+def infill(url: str, **fields) -> httpx.Response:
+    return httpx.post(url + "/infill", json={"temperature": 0, **fields}, timeout=60)
+
+
+def test_llama_cpp_infill(code_model):
+    """llama.cpp's /infill as llama.vscode sends it: the same fill, whole and streamed, with
+    llama.cpp's fields; other files as repository-level context; a prefix cut to fit."""
+    whole = infill(code_model, input_prefix=PREFIX, input_suffix=SUFFIX, n_predict=60).json()
+    assert whole["content"] == FILL and whole["stop"] is True and whole["stop_type"] == "eos"
+    prefix, suffix = (len(code_tokenizer().encode(text, add_special_tokens=False).ids) for text in (PREFIX, SUFFIX))
+    assert whole["tokens_evaluated"] == 1 + 1 + prefix + 1 + suffix + 1 and whole["truncated"] is False
+    assert whole["tokens_predicted"] == whole["timings"]["predicted_n"] > 0
+    # The text typed at the cursor goes after the prefix: the same prompt, split differently.
+    split = infill(code_model, input_prefix=PREFIX[:4], prompt=PREFIX[4:], input_suffix=SUFFIX, n_predict=60)
+    assert split.json()["content"] == FILL
+    chunks = [json.loads(line.removeprefix("data: ")) for line in infill(
+        code_model, input_prefix=PREFIX, input_suffix=SUFFIX, n_predict=60, stream=True).text.splitlines() if line]
+    assert "".join(chunk["content"] for chunk in chunks) == FILL
+    assert [chunk["stop"] for chunk in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1]["stop_type"] == "eos" and chunks[-1]["tokens_predicted"] == whole["tokens_predicted"]
+    repository = infill(code_model, input_prefix=PREFIX, input_suffix=SUFFIX, n_predict=60,
+                        input_extra=[{"filename": "util.py", "text": "SCALE = 3\n"}]).json()
+    assert repository["content"] == "    total = (a + b) * SCALE"
+    cut = infill(code_model, input_prefix="x = 1\n" * 400, input_suffix=SUFFIX, n_predict=100).json()
+    assert cut["truncated"] is True and cut["tokens_evaluated"] <= 512 - 100
+
+
+def test_infill_stops_at_its_time_limit_once_it_has_a_newline(code_model):
+    body = {"input_prefix": "lines = [", "input_suffix": "]", "n_predict": 200}
+    full = infill(code_model, **body).json()
+    assert full["stop_type"] == "limit" and full["tokens_predicted"] == 200
+    quick = infill(code_model, **body, t_max_predict_ms=1).json()
+    assert quick["stop_type"] == "limit" and quick["content"].startswith("'one',\n")
+    assert quick["tokens_predicted"] < 200
+
+
+def test_infill_needs_a_fim_model(fake_server):
+    response = httpx.post(f"http://127.0.0.1:{fake_server}/infill", json={"input_prefix": "def f():"}, timeout=30)
+    assert response.status_code == 400 and "fill-in-the-middle" in response.json()["error"]["message"]
