@@ -1,6 +1,7 @@
-"""Gemma 3 270M (the `gemma3` extra's Q4_K_M GGUF) in Kiln beside llama.cpp on the same file.
+"""A GGUF file in Kiln beside llama.cpp on the same file: by default Gemma 3 270M (the `gemma3`
+extra's Q4_K_M), or any GGUF Kiln serves (`--model PATH`, or a packaged model's name).
 
-    python -m benchmarks.gemma3_bench [--tokens 48] [--output benchmarks/results/gemma3-<date>.json]
+    python -m benchmarks.gguf_bench [--model gemma-3-270m] [--tokens 48] [--output FILE]
 
 Three things, each engine in its own process, one after the other:
 - greedy tokens for a few prompts from both, and where they first differ, how close Kiln's two
@@ -12,8 +13,9 @@ Three things, each engine in its own process, one after the other:
   128 and 512 tokens, decode at batch 1 and 8, 2 threads for llama.cpp);
 - each process's peak resident memory, beside the file's size.
 
-Kiln serves the file as `kiln serve --model gemma-3-270m` builds it (its Q4_K and Q6_K blocks kept).
-The build runs in a child process, so the measuring one never loads torch.
+Kiln serves the file as `kiln serve --model FILE` builds it (its own GGUF blocks kept where the
+CPU kernels take them). The build runs in a child process, so the measuring one never loads torch.
+Results go to results/<the file's stem>-<date>.json unless --output says otherwise.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def referee(path: Path, rows: list[dict], here: Path) -> None:
         return
     prefixes = [row["prompt_ids"] + row["kiln"][:row["first_difference"]] for row in split]
     pairs = [(row["kiln"][row["first_difference"]], row["llama.cpp"][row["first_difference"]]) for row in split]
-    verdict, _ = run_measured([sys.executable, "-m", "benchmarks.gemma3_bench", "--float32-preference",
+    verdict, _ = run_measured([sys.executable, "-m", "benchmarks.gguf_bench", "--float32-preference",
                                json.dumps({"path": str(path), "prefixes": prefixes, "pairs": pairs})], here)
     for row, margin in zip(split, verdict["margins"]):
         row["float32_prefers"] = "kiln" if margin > 0 else "llama.cpp"
@@ -107,9 +109,9 @@ def referee(path: Path, rows: list[dict], here: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gemma-3-270m", help="a GGUF file, or a packaged model's name")
     parser.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt")
-    parser.add_argument("--output", type=Path,
-                        default=Path(__file__).parent / "results" / f"gemma3-{date.today().isoformat()}.json")
+    parser.add_argument("--output", type=Path, help="where the results go (default: results/<stem>-<date>.json)")
     parser.add_argument("--greedy-only", action="store_true", help="leave out the timings")
     parser.add_argument("--kiln-greedy", type=Path, help=argparse.SUPPRESS)  # the children's parts
     parser.add_argument("--float32-preference", help=argparse.SUPPRESS)
@@ -122,15 +124,16 @@ def main() -> int:
         print(json.dumps(float32_preference(Path(asked["path"]), asked["prefixes"], asked["pairs"])))
         return 0
 
-    from kiln.models.packaged import packaged_model_path
+    from kiln.models.packaged import resolve_model_path
 
-    path = packaged_model_path("gemma-3-270m")
+    path = Path(resolve_model_path(args.model)).resolve()
+    output = args.output or Path(__file__).parent / "results" / f"{path.stem.lower()}-{date.today().isoformat()}.json"
     artifacts = _build(path)
     py = llamacpp.python()  # llama-cpp-python alone: no llama-server build
     here = Path(__file__).resolve().parent.parent
     bench = str(llamacpp.BENCH_SCRIPT)
     with heavy_lock():
-        kiln, _ = run_measured([sys.executable, "-m", "benchmarks.gemma3_bench", "--tokens",
+        kiln, _ = run_measured([sys.executable, "-m", "benchmarks.gguf_bench", "--tokens",
                                               str(args.tokens), "--kiln-greedy", str(artifacts)], here)
         theirs = [run_measured([str(py), bench, "greedy", str(path), json.dumps(run["prompt_ids"]),
                                 str(args.tokens)])[0]["tokens"] for run in kiln["runs"]]
@@ -145,8 +148,8 @@ def main() -> int:
             figures, rss = run_measured([str(py), bench, "offline", str(path)])
             result["llama.cpp"] = {**figures, "peak_rss_mib": round(rss, 1), "llama_cpp_python": llamacpp.VERSION}
             log(f"timed both in {time.monotonic() - started:.0f} s")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "greedy"} | {
         "greedy": [{k: v for k, v in row.items() if k not in ("kiln", "llama.cpp", "prompt_ids")}
                    for row in result["greedy"]]}, indent=2))
@@ -154,7 +157,7 @@ def main() -> int:
 
 
 def _build(path: Path) -> Path:
-    """The file built as `kiln serve --model gemma-3-270m` builds it, in a child process."""
+    """The file built as `kiln serve --model FILE` builds it, in a child process."""
     code = ("import sys\n"
             "from pathlib import Path\n"
             "from kiln.export.build import build, default_build_options\n"

@@ -1,8 +1,8 @@
-"""benchmarks/gemma3_bench.py's reading of two engines' greedy tokens (no model needed)."""
+"""benchmarks/gguf_bench.py's reading of two engines' greedy tokens (no model needed)."""
 
 from __future__ import annotations
 
-from benchmarks.gemma3_bench import compare
+from benchmarks.gguf_bench import compare
 
 
 def test_the_first_difference_and_kilns_margin_there():
