@@ -34,6 +34,9 @@ from benchmarks.peers.common import heavy_lock, log
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,",
            "The three primary colors are"]
+# With --chat: each a user's message, rendered by the model's chat template (an instruct model's use).
+CHAT_PROMPTS = ["What is the capital of France?", "Write a Python function that reverses a string.",
+                "Give me three tips for sleeping well.", "Explain recursion in one sentence."]
 NEAR_TIE = 0.05  # nats between Kiln's two best candidates: closer than this, rounding may swap them
 
 
@@ -48,12 +51,18 @@ def run_measured(argv: list[str], cwd: Path | None = None) -> tuple[dict, float]
     return json.loads(line), usage.ru_maxrss / 1024
 
 
-def kiln_greedy(artifacts: Path, prompts: list[str], tokens: int) -> dict:
-    """In this process (no torch): each prompt's ids, greedy tokens, and Kiln's top-2 logprobs per step."""
+def kiln_greedy(artifacts: Path, prompts: list[str], tokens: int, chat: bool = False) -> dict:
+    """In this process (no torch): each prompt's ids, greedy tokens, and Kiln's top-2 logprobs per
+    step; with `chat`, each prompt a user's message in the model's chat template."""
     from kiln.runtime import LLM, SamplingParams
+    from kiln.runtime.chat import render_chat_template
 
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=2)
     with LLM(artifacts, prefix_sharing="none") as llm:
+        if chat:
+            config = llm.service.tokenizer_config
+            prompts = [llm.service.encode(render_chat_template(config, [{"role": "user", "content": p}]), False)
+                       for p in prompts]
         results = llm.generate(prompts, params)
     return {"runs": [{"prompt_ids": r.prompt_token_ids, "tokens": r.completions[0].token_ids,
                       "top2": [sorted(step.top.values(), reverse=True)[:2] for step in r.completions[0].logprobs]}
@@ -109,35 +118,40 @@ def referee(path: Path, rows: list[dict], here: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gemma-3-270m", help="a GGUF file, or a packaged model's name")
+    parser.add_argument("--model", default="gemma-3-270m",
+                        help="a GGUF file, a packaged model's name, or `default` (the bundled SmolLM2)")
     parser.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt")
     parser.add_argument("--output", type=Path, help="where the results go (default: results/<stem>-<date>.json)")
     parser.add_argument("--greedy-only", action="store_true", help="leave out the timings")
+    parser.add_argument("--chat", action="store_true", help="greedy replies to user messages in the chat template")
     parser.add_argument("--kiln-greedy", type=Path, help=argparse.SUPPRESS)  # the children's parts
     parser.add_argument("--float32-preference", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.kiln_greedy:
-        print(json.dumps(kiln_greedy(args.kiln_greedy, PROMPTS, args.tokens)))
+        print(json.dumps(kiln_greedy(args.kiln_greedy, CHAT_PROMPTS if args.chat else PROMPTS, args.tokens,
+                                     args.chat)))
         return 0
     if args.float32_preference:
         asked = json.loads(args.float32_preference)
         print(json.dumps(float32_preference(Path(asked["path"]), asked["prefixes"], asked["pairs"])))
         return 0
 
+    from kiln.models.default_model import default_model_path
     from kiln.models.packaged import resolve_model_path
 
-    path = Path(resolve_model_path(args.model)).resolve()
+    bundled = args.model == "default"  # the default model's file, built as `kiln serve` builds it
+    path = default_model_path() if bundled else Path(resolve_model_path(args.model)).resolve()
     output = args.output or Path(__file__).parent / "results" / f"{path.stem.lower()}-{date.today().isoformat()}.json"
-    artifacts = _build(path)
+    artifacts = _build(None if bundled else path)
     py = llamacpp.python()  # llama-cpp-python alone: no llama-server build
     here = Path(__file__).resolve().parent.parent
     bench = str(llamacpp.BENCH_SCRIPT)
     with heavy_lock():
-        kiln, _ = run_measured([sys.executable, "-m", "benchmarks.gguf_bench", "--tokens",
-                                              str(args.tokens), "--kiln-greedy", str(artifacts)], here)
+        kiln, _ = run_measured([sys.executable, "-m", "benchmarks.gguf_bench", "--tokens", str(args.tokens),
+                                "--kiln-greedy", str(artifacts), *(["--chat"] if args.chat else [])], here)
         theirs = [run_measured([str(py), bench, "greedy", str(path), json.dumps(run["prompt_ids"]),
                                 str(args.tokens)])[0]["tokens"] for run in kiln["runs"]]
-        result = {"model": str(path), "file_mib": round(path.stat().st_size / 2**20, 1),
+        result = {"model": str(path), "file_mib": round(path.stat().st_size / 2**20, 1), "chat": args.chat,
                   "greedy": compare(kiln, theirs)}
         referee(path, result["greedy"], here)
         if not args.greedy_only:
@@ -156,12 +170,14 @@ def main() -> int:
     return 0
 
 
-def _build(path: Path) -> Path:
-    """The file built as `kiln serve --model FILE` builds it, in a child process."""
+def _build(path: Path | None) -> Path:
+    """The file built as `kiln serve --model FILE` builds it (None: the default model, as `kiln
+    serve` with no model builds it), in a child process."""
+    model = "None" if path is None else f"Path({str(path)!r})"
     code = ("import sys\n"
             "from pathlib import Path\n"
             "from kiln.export.build import build, default_build_options\n"
-            f"print(build(Path({str(path)!r}), default_build_options(), ['cpu'], "
+            f"print(build({model}, default_build_options(), ['cpu'], "
             "log=lambda m: print(m, file=sys.stderr)))\n")
     done = subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.PIPE, text=True)
     return Path(done.stdout.strip().splitlines()[-1])
