@@ -198,11 +198,27 @@ def needs_build(args) -> bool:
 
 def resolve_in_child(args):
     """resolve_artifacts in a spawned process: building imports torch, which the server must not keep."""
+    return in_child(resolve_artifacts, args, args.model or "the default model")
+
+
+def in_child(build, args, model: str):
+    """`build(args)` in a spawned process. One whose process dies (the system kills a process that
+    runs out of memory) is a ModelLoadError that says what to do, not the process pool's words."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    from kiln.runtime.errors import ModelLoadError
 
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(resolve_artifacts, args).result()
+        try:
+            return pool.submit(build, args).result()
+        except BrokenProcessPool:
+            raise ModelLoadError(
+                f"building {model} stopped: its process was killed (the system ends a process that runs out "
+                "of memory, and tracing holds more of the model for every function it builds). Build fewer "
+                "functions with `kiln build --model MODEL --bs-decode 1,4 --decode-buckets none "
+                "--no-prefill-last --output-dir DIR`, then `kiln serve --artifacts DIR`") from None
 
 
 def verifier_artifacts(args):

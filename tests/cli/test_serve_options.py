@@ -1,4 +1,4 @@
-"""`kiln serve`'s engine options, parsed (no server is started)."""
+"""`kiln serve`'s engine options, parsed, and what it says when its build's process dies (no server is started)."""
 
 from __future__ import annotations
 
@@ -62,3 +62,21 @@ def test_reasoning_parser_is_off_by_default_and_an_unknown_one_names_the_choices
         parser.parse_args(["serve", "--reasoning-parser", "r1"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'r1' (choose from 'deepseek_r1', 'qwen3')" in capsys.readouterr().err
+
+
+def _killed(args) -> None:
+    """A build whose process the system kills (as it kills one out of memory)."""
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_build_killed_by_the_system_is_a_load_error_that_says_what_to_do():
+    from kiln.cli.serve_command import in_child
+    from kiln.runtime.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError) as error:
+        in_child(_killed, None, "big.gguf")
+    assert "building big.gguf stopped: its process was killed" in str(error.value)
+    assert "--bs-decode" in str(error.value) and "kiln serve --artifacts" in str(error.value)
