@@ -218,7 +218,8 @@ def in_child(build, args, model: str):
                 f"building {model} stopped: its process was killed (the system ends a process that runs out "
                 "of memory, and tracing holds more of the model for every function it builds). Build fewer "
                 "functions with `kiln build --model MODEL --bs-decode 1,4 --decode-buckets none "
-                "--no-prefill-last --output-dir DIR`, then `kiln serve --artifacts DIR`") from None
+                "--no-prefill-last --max-seq-len 4096 --output-dir DIR` (and `--cpu-kernels` on a CPU with "
+                "AVX-512, as kiln serve builds), then `kiln serve --artifacts DIR`") from None
 
 
 def verifier_artifacts(args):
