@@ -124,6 +124,7 @@ def main() -> int:
     parser.add_argument("--output", type=Path, help="where the results go (default: results/<stem>-<date>.json)")
     parser.add_argument("--greedy-only", action="store_true", help="leave out the timings")
     parser.add_argument("--chat", action="store_true", help="greedy replies to user messages in the chat template")
+    parser.add_argument("--artifacts", type=Path, help="the file's build (`kiln build --output-dir`), not built here")
     parser.add_argument("--kiln-greedy", type=Path, help=argparse.SUPPRESS)  # the children's parts
     parser.add_argument("--float32-preference", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -142,7 +143,7 @@ def main() -> int:
     bundled = args.model == "default"  # the default model's file, built as `kiln serve` builds it
     path = default_model_path() if bundled else Path(resolve_model_path(args.model)).resolve()
     output = args.output or Path(__file__).parent / "results" / f"{path.stem.lower()}-{date.today().isoformat()}.json"
-    artifacts = _build(None if bundled else path)
+    artifacts = args.artifacts or _build(None if bundled else path)
     py = llamacpp.python()  # llama-cpp-python alone: no llama-server build
     here = Path(__file__).resolve().parent.parent
     bench = str(llamacpp.BENCH_SCRIPT)
