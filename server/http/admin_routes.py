@@ -59,7 +59,8 @@ async def restore(body: KvCacheRequest, request: Request):
 
 
 @router.post("/reset_prefix_cache")
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+@router.post("/flush_cache")
+@router.get("/flush_cache")  # a route per method: each its own OpenAPI operation
 async def reset_prefix_cache(request: Request):
     """Every cached page no request uses dropped from the device and host tiers; requests in
     flight keep theirs."""
