@@ -27,12 +27,17 @@ from .settings import ServerSettings
 
 def admit(service: GenerateService, settings: ServerSettings, model: str | None, n_values=(1,)) -> None:
     """What every generation route checks first: the model's name, that the service is ready, n."""
+    check_model(settings, model)
+    service.check_ready()
+    check_n(settings, n_values)
+
+
+def check_model(settings: ServerSettings, model: str | None) -> None:
+    """A 404 naming what this server serves, for a model it does not (no name: its own)."""
     if not settings.knows_model(model):
         known = ", ".join(map(repr, settings.served_model_names))
         raise ModelNotFoundError(f"the model {shown(model)} does not exist: this server serves {known}",
                                  param="model")
-    service.check_ready()
-    check_n(settings, n_values)
 
 
 def check_n(settings: ServerSettings, n_values) -> None:

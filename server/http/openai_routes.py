@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from kiln.runtime.errors import InvalidRequestError, ModelNotFoundError
+from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.service import GenerateService, ServiceState
 
 from ..errors import error_body, failure_of
 from ..fill_in_middle import FillInMiddle
-from ..generation import Choice, Generation, admit, rest_of_context
+from ..generation import Choice, Generation, admit, check_model, rest_of_context
 from ..logprobs import TokenText, chat_logprobs, completion_logprobs, join_completion_logprobs
 from ..params import check_logprobs, openai_params
 from ..prompts import ChatPrompt, chat_ending, chat_prompt_of, encode
@@ -69,10 +69,7 @@ async def list_models(request: Request):
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request):
-    settings = request.app.state.settings
-    if not model or not settings.knows_model(model):
-        known = ", ".join(map(repr, settings.served_model_names))
-        raise ModelNotFoundError(f"the model {model!r} does not exist: this server serves {known}", param="model")
+    check_model(request.app.state.settings, model)  # the path always names one
     return model_card(request.app.state, model)
 
 
