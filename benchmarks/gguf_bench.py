@@ -29,6 +29,7 @@ import time
 from datetime import date
 from pathlib import Path
 
+from benchmarks.kiln_offline import build_in_child
 from benchmarks.peers import llamacpp
 from benchmarks.peers.common import heavy_lock, log
 
@@ -143,7 +144,8 @@ def main() -> int:
     bundled = args.model == "default"  # the default model's file, built as `kiln serve` builds it
     path = default_model_path() if bundled else Path(resolve_model_path(args.model)).resolve()
     output = args.output or Path(__file__).parent / "results" / f"{path.stem.lower()}-{date.today().isoformat()}.json"
-    artifacts = args.artifacts or _build(None if bundled else path)
+    # As `kiln serve --model FILE` builds it (the default model: as `kiln serve` with no model does).
+    artifacts = args.artifacts or build_in_child("default_build_options()", model=None if bundled else path)
     py = llamacpp.python()  # llama-cpp-python alone: no llama-server build
     here = Path(__file__).resolve().parent.parent
     bench = str(llamacpp.BENCH_SCRIPT)
@@ -169,19 +171,6 @@ def main() -> int:
         "greedy": [{k: v for k, v in row.items() if k not in ("kiln", "llama.cpp", "prompt_ids")}
                    for row in result["greedy"]]}, indent=2))
     return 0
-
-
-def _build(path: Path | None) -> Path:
-    """The file built as `kiln serve --model FILE` builds it (None: the default model, as `kiln
-    serve` with no model builds it), in a child process."""
-    model = "None" if path is None else f"Path({str(path)!r})"
-    code = ("import sys\n"
-            "from pathlib import Path\n"
-            "from kiln.export.build import build, default_build_options\n"
-            f"print(build({model}, default_build_options(), ['cpu'], "
-            "log=lambda m: print(m, file=sys.stderr)))\n")
-    done = subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.PIPE, text=True)
-    return Path(done.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

@@ -38,17 +38,20 @@ def label(dtype: str, quantize: str = "none") -> str:
     return QUANTIZED_LABEL.get(quantize) or SHORT_DTYPE[dtype]
 
 
-def build_in_child(options: str, targets: tuple[str, ...] = ("cpu",), flags: tuple[str, ...] = ()) -> Path:
-    """The bundled model exported with `options` (Python source building ExportOptions; it may
-    call default_build_options and dataclasses' replace) and compiled for `targets` at their
-    default archs with iree-compile's `flags` added, into Kiln's keyed cache (built once), in a
-    child process."""
+def build_in_child(options: str, targets: tuple[str, ...] = ("cpu",), flags: tuple[str, ...] = (),
+                   model: Path | None = None) -> Path:
+    """`model` (None: the bundled one) exported with `options` (Python source building
+    ExportOptions; it may call default_build_options and dataclasses' replace) and compiled for
+    `targets` at their default archs with iree-compile's `flags` added, into Kiln's keyed cache
+    (built once), in a child process, so the caller never loads torch."""
     code = (
         "import sys\n"
         "from dataclasses import replace\n"
+        "from pathlib import Path\n"
         "from kiln.export.build import build, default_build_options\n"
         "from kiln.export.options import ExportOptions\n"
-        f"out = build(None, {options}, {list(targets)!r}, extra_flags={list(flags)!r},\n"
+        f"out = build({None if model is None else f'Path({str(model)!r})'}, {options}, {list(targets)!r}, "
+        f"extra_flags={list(flags)!r},\n"
         "            log=lambda m: print(m, file=sys.stderr))\n"
         "print(out)\n"
     )

@@ -82,6 +82,11 @@ def add_export_options(parser: argparse.ArgumentParser) -> None:
         help="skip the prefill_last_bs<N> companions (prefill returning only last logits, the serving fast path)",
     )
     parser.add_argument(
+        "--embeddings", action="store_true",
+        help="also export embed_bs<N> beside each prefill size (the final hidden states), which /v1/embeddings "
+             "and /v1/score pool as the model's sentence-transformers files say (default: last token, normalised)",
+    )
+    parser.add_argument(
         "--cpu-kernels", action="store_true",
         help="run one-token weight matmuls (float32, bf16, Q8_0/Q4_0/Q4_1 blocks) through Kiln's hand-written "
              "AVX-512 kernels (built with the system's C compiler); the export then compiles for this machine's CPU only",
@@ -102,6 +107,7 @@ def options_from_args(args) -> ExportOptions:
         denoise_top_functions=args.denoise_top,
         has_prefill_position=not args.no_prefill_position,
         prefill_last_functions=not args.no_prefill_last,
+        embedding_functions=args.embeddings,
         **{name: getattr(args, name) for name in _SAME_NAMED},
     )
 

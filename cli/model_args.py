@@ -57,6 +57,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with --model or the default model: one-token weight matmuls (float32, bf16, int8, "
                        "Q8_0/Q4_0/Q4_1 blocks) through Kiln's hand-written AVX-512 kernels; auto (default): where "
                        "this CPU and a C compiler allow")
+    group.add_argument("--embeddings", action="store_true",
+                       help="with --model or the default model: also build the functions /v1/embeddings and "
+                       "/v1/score call (the final hidden states, pooled as the model's sentence-transformers files "
+                       "say, else its last token's, normalised)")
     group.add_argument("--device", default="local-task", help="local-task (CPU), cuda, hip")
     group.add_argument("--parameter-memory", choices=("auto", "mapped", "private"), default="auto",
                        help="where the weights live in host memory: mapped (the file's pages, shared with every "
@@ -93,6 +97,8 @@ def resolve_artifacts(args, log=lambda line: print(line, file=sys.stderr, flush=
         artifacts = Artifacts.in_directory(args.artifacts, device_target(args.device))
         return artifacts.with_tokenizer(args.tokenizer) if args.tokenizer else artifacts
     try:
+        from dataclasses import replace
+
         from kiln.export.build import build, default_build_options
     except ImportError as error:
         raise ModelChoiceError(
@@ -104,6 +110,7 @@ def resolve_artifacts(args, log=lambda line: print(line, file=sys.stderr, flush=
     cpu_kernels = {"auto": None, "on": True, "off": False}[args.cpu_kernels]
     options = default_build_options(args.dtype, args.kv_cache_dtype, args.tensor_parallel, args.pipeline_parallel,
                                     quantize=args.quantize, cpu_kernels=cpu_kernels)
+    options = replace(options, embedding_functions=args.embeddings)
     from kiln.models.packaged import resolve_model_path
 
     model = None if args.model is None else resolve_model_path(args.model)

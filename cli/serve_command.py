@@ -12,6 +12,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+from kiln.runtime.pooling import POOLING_MODES
 from kiln.runtime.service_config import (
     HOST_WRITE_POLICIES,
     PREFIX_SHARING,
@@ -116,6 +117,9 @@ def add_command(commands) -> None:
                         "are: model: the model's own (its generation_config.json, a GGUF's general.sampling "
                         "keys; the bundled model's card: temperature 0.2, top_p 0.9), else OpenAI's; openai: "
                         "OpenAI's always (temperature 1, top_p 1) (default: %(default)s)")
+    engine.add_argument("--pooling", choices=POOLING_MODES, default=None,
+                        help="how embeddings pool the prompt's hidden states: last (token), mean, cls (the first "
+                        "token) (default: what the model's sentence-transformers files say, else last)")
     engine.add_argument("--max-queue", type=_non_negative_int, default=defaults.max_queue, metavar="N",
                         help="requests waiting before new ones get 503 (default: %(default)s)")
     engine.add_argument("--grammar-compile-timeout", type=_positive_float, default=defaults.grammar_compile_seconds,
@@ -253,7 +257,8 @@ def second_model_artifacts(args, path: Path, label: str):
         from kiln.runtime.errors import ModelLoadError
 
         raise ModelLoadError(f"{label} path {path} does not exist")
-    choice = argparse.Namespace(**{**vars(args), "vmfb": None, "params": None, "config": None, "tokenizer": None})
+    choice = argparse.Namespace(**{**vars(args), "vmfb": None, "params": None, "config": None, "tokenizer": None,
+                                   "embeddings": False})
     if (path / CONFIG_FILE).is_file():
         choice.artifacts, choice.model = path, None
         return resolve_artifacts(choice)
@@ -346,6 +351,7 @@ def run_serve(args) -> int:
         host_kv_write_policy=args.host_kv_write_policy,
         kv_cache_dir=args.kv_cache_dir,
         sampling_defaults=args.sampling_defaults,
+        pooling=args.pooling or "",
     )
     if args.data_parallel:
         return run_data_parallel(args, service_config, settings)

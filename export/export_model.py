@@ -95,7 +95,11 @@ def kiln_params(checkpoint: Checkpoint, options: ExportOptions) -> KilnParams:
         quantization=options.quantize,
         decode_buckets=list(options.decode_buckets or ()),
         generation_defaults=dict(checkpoint.generation_defaults),
+        hidden_size=c.hidden_size,
     )
+    if options.embedding_functions and not c.is_diffusion:
+        kiln = replace(kiln, embed_batch_sizes=list(options.prefill_batch_sizes),
+                       embedding=checkpoint.embedding.to_json())
     if c.is_diffusion:
         kiln = replace(kiln, prefill_final_logits=False, model_kind=DIFFUSION,
                        denoise_batch_sizes=list(options.denoise_batch_sizes), denoise_top=options.denoise_top_functions,
@@ -151,6 +155,12 @@ def export_model(checkpoint: Checkpoint, options: ExportOptions, output_dir: Pat
     c = checkpoint.config
     if c.is_diffusion and options.top_k is not None:
         raise ExportError("--top-k does not apply to a diffusion LM: its sampler reads every masked position")
+    if options.embedding_functions and c.is_diffusion:
+        raise ExportError("--embeddings applies to autoregressive models: a diffusion LM's hidden states see "
+                          "both ways")
+    if options.embedding_functions and checkpoint.embedding.unsupported:
+        raise ExportError(f"--embeddings: this model's embeddings cannot be served as it defines them: "
+                          f"{checkpoint.embedding.unsupported}")
     problem = options.layout.problem(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
                                      c.intermediate_size)
     if not problem and c.num_experts:  # each expert's columns are split too

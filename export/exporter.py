@@ -1,5 +1,5 @@
 """Trace a PagedLlama into one MLIR module of prefill_bs<N> / decode_bs<N> functions
-(denoise_bs<N> for a diffusion LM).
+(denoise_bs<N> for a diffusion LM; embed_bs<N> where embeddings are asked for).
 
 Names and argument orders are the contract's (runtime/contract.py), which follows
 shortfin's ABI. Token length, block count and the cache's page count are dynamic, so
@@ -79,6 +79,12 @@ def abi_functions(options: ExportOptions, final_only: bool) -> dict[FunctionKind
         h = model.forward_paged(tokens, start_positions, seq_lens, seq_block_ids, cache)
         return select_logits(model, options, h, start_positions, seq_lens)
 
+    def embed(model, tokens, start_pos, seq_lens, seq_block_ids, cache):
+        return model.model.norm(model.forward_paged(tokens, start_pos, seq_lens, seq_block_ids, cache)).float()
+
+    def embed_without_position(model, tokens, seq_lens, seq_block_ids, cache):
+        return embed(model, tokens, torch.zeros_like(seq_lens), seq_lens, seq_block_ids, cache)
+
     def denoise(model, tokens, start_pos, seq_lens, seq_block_ids, cache):
         return model.logits(model.forward_paged(tokens, start_pos, seq_lens, seq_block_ids, cache))
 
@@ -91,6 +97,7 @@ def abi_functions(options: ExportOptions, final_only: bool) -> dict[FunctionKind
         FunctionKind.DECODE: decode,
         FunctionKind.DENOISE: denoise,
         FunctionKind.DENOISE_TOP: denoise_top,
+        FunctionKind.EMBED: embed if options.has_prefill_position else embed_without_position,
     }
 
 
@@ -164,6 +171,8 @@ def trace_module(model: PagedLlama | ShardedPagedLlama, options: ExportOptions, 
         if options.prefill_last_functions and not options.prefill_final_logits:
             kinds.append((FunctionKind.PREFILL_LAST, True))
         kinds.append((FunctionKind.DECODE, True))
+        if options.embedding_functions:
+            kinds.append((FunctionKind.EMBED, False))
     for kind, final_only in kinds:
         traced_kind = FunctionKind.PREFILL if kind is FunctionKind.PREFILL_LAST else kind
         body = abi_functions(options, final_only)[traced_kind]

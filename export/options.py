@@ -63,6 +63,10 @@ class ExportOptions:
     # attention reads the pages in place (its cost does not grow with the table's width), none
     # otherwise (a gather's does: pick buckets near the contexts served).
     decode_buckets: tuple[int, ...] | None = None
+    # Also export embed_bs<N> beside each prefill_bs<N>: the final hidden states, which
+    # /v1/embeddings and /v1/score pool (runtime/pooling.py). Off by default, as vLLM serves
+    # embeddings only from a model started for them: each adds a prefill's compile.
+    embedding_functions: bool = False
 
     @property
     def layout(self) -> DeviceLayout:

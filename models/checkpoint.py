@@ -13,6 +13,7 @@ import numpy as np
 
 from .config import LlamaConfig
 from .gguf_blocks import BlockWeight
+from .sentence_transformers import EmbeddingSpec
 
 
 @dataclass
@@ -35,3 +36,6 @@ class Checkpoint:
     # requests that leave those fields unset: from generation_config.json or a GGUF's
     # general.sampling.* keys, checked (model_generation_defaults).
     generation_defaults: dict[str, float | int] = field(default_factory=dict)
+    # How its embeddings pool its hidden states (an --embeddings export's): its
+    # sentence-transformers files' say, else last-token pooling, normalised.
+    embedding: EmbeddingSpec = field(default_factory=EmbeddingSpec)

@@ -24,6 +24,7 @@ from .gguf_blocks import BLOCK_TYPES, BlockWeight, read_blocks
 from .gguf_tokenizer import tokenizer_from_gguf
 from .registry import family_named, family_of_gguf
 from .rope import llama3_divisors
+from .sentence_transformers import EmbeddingSpec
 
 
 # GGUF tensor name (without .weight/.bias) -> HF module name.
@@ -295,6 +296,21 @@ def gguf_generation_defaults(meta: dict[str, Any], path: Path) -> dict[str, floa
         raise ModelLoadError(str(error)) from None
 
 
+# llama.cpp's enum llama_pooling_type, as a GGUF's {arch}.pooling_type stores it.
+GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
+
+
+def gguf_embedding_spec(meta: dict[str, Any]) -> EmbeddingSpec:
+    """How an embedding GGUF pools (its {arch}.pooling_type; llama.cpp normalises its
+    embeddings); last-token pooling where it says nothing (a plain LM's file)."""
+    pooling = meta.get(f"{meta.get('general.architecture')}.pooling_type")
+    if pooling in (None, 0):  # none: a plain LM, served as vLLM serves a decoder's embeddings
+        return EmbeddingSpec()
+    if pooling not in GGUF_POOLING:
+        return EmbeddingSpec(unsupported=f"its pooling_type {pooling} is not one Kiln runs (mean, CLS, last)")
+    return EmbeddingSpec(pooling=GGUF_POOLING[pooling])
+
+
 def load_gguf(path: str | Path) -> Checkpoint:
     """Read a GGUF file: config, dequantized float32 tensors in HF names, tokenizer."""
     path = Path(path)
@@ -364,6 +380,7 @@ def load_gguf(path: str | Path) -> Checkpoint:
         stored_quantization=quantization,
         blocks=blocks,
         generation_defaults=gguf_generation_defaults(meta, path),
+        embedding=gguf_embedding_spec(meta),
     )
 
 

@@ -17,6 +17,7 @@ from kiln.runtime.sampling import model_generation_defaults
 
 from .checkpoint import Checkpoint
 from .config import FULL, SLIDING, LlamaConfig
+from .sentence_transformers import read_embedding_spec
 
 
 def read_json(path: Path) -> dict:
@@ -153,7 +154,7 @@ def checkpoint_with_tokenizer(directory: Path, config: LlamaConfig,
                               tensors: dict[str, np.ndarray]) -> Checkpoint:
     """The Checkpoint of `config` and `tensors` (in Kiln's names) with the directory's
     tokenizer.json (required), tokenizer_config.json, and generation_config.json's stop ids and
-    sampling defaults."""
+    sampling defaults, and its sentence-transformers pooling."""
     if "lm_head.weight" not in tensors and not config.tie_word_embeddings:
         config.tie_word_embeddings = True  # some exports drop a tied head without saying so
     tokenizer_path = directory / "tokenizer.json"
@@ -179,4 +180,5 @@ def checkpoint_with_tokenizer(directory: Path, config: LlamaConfig,
         tokenizer_config=tokenizer_config,
         source=str(directory),
         generation_defaults=defaults,
+        embedding=read_embedding_spec(directory, read_json(directory / "config.json")),
     )

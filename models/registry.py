@@ -55,11 +55,11 @@ def _renamed(tensors: dict[str, np.ndarray], config: LlamaConfig) -> dict[str, n
 
 
 FAMILIES = (
-    ModelFamily("llama", ("LlamaForCausalLM", "MistralForCausalLM"), (), "llama", AUTOREGRESSIVE,
+    ModelFamily("llama", ("LlamaForCausalLM", "MistralForCausalLM", "LlamaModel", "MistralModel"), (), "llama", AUTOREGRESSIVE,
                 lambda values, name: hf_llama_config(values, name, "llama", attention_bias=False), _renamed),
-    ModelFamily("qwen2", ("Qwen2ForCausalLM",), (), "qwen2", AUTOREGRESSIVE,
+    ModelFamily("qwen2", ("Qwen2ForCausalLM", "Qwen2Model"), (), "qwen2", AUTOREGRESSIVE,
                 lambda values, name: hf_llama_config(values, name, "qwen2", attention_bias=True), _renamed),
-    ModelFamily("qwen3", ("Qwen3ForCausalLM",), (), "qwen3", AUTOREGRESSIVE, qwen3_config, _renamed),
+    ModelFamily("qwen3", ("Qwen3ForCausalLM", "Qwen3Model"), (), "qwen3", AUTOREGRESSIVE, qwen3_config, _renamed),
     ModelFamily("qwen3_moe", ("Qwen3MoeForCausalLM",), (), None, AUTOREGRESSIVE, qwen3_moe_config,
                 qwen3_moe_tensors),
     ModelFamily("mixtral", ("MixtralForCausalLM",), (), None, AUTOREGRESSIVE, mixtral_config, mixtral_tensors),

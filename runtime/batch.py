@@ -20,6 +20,9 @@ class Phase(str, enum.Enum):
     # Speculative decoding: each row feeds its last token and its draft tokens, a decode row
     # each, and the logits of every one say how much of the draft the model agrees with.
     SPECULATE = "speculate"
+    # Prefill's chunks for embeddings (embed_bs<N>): the final hidden states instead of logits,
+    # at every position of a row that pools them all, else at its last.
+    EMBED = "embed"
 
 
 @dataclass(frozen=True)

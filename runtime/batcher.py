@@ -121,8 +121,9 @@ class Batcher:
                 self._end(request.sequences, "abort")
         self._pending_aborts.clear()
 
-    def _end(self, seqs, reason: str, error: str | None = None) -> None:
-        """Finish sequences from outside a step (abort, failure): pages back, last event out.
+    def _end(self, seqs, reason: str, error: str | None = None, embedding=None) -> None:
+        """Finish sequences from outside a step (abort, failure) or by their mode with no token
+        to take (an embedding, given here): pages back, last event out.
         Each costs O(log n) at most, so a request of many sequences ends in one pass."""
         requests = {}
         for seq in seqs:
@@ -130,7 +131,7 @@ class Batcher:
                 continue
             self.scheduler.finish(seq, reason)
             self.stopping.drop(seq)
-            self.outputs.finish(seq, reason, error)
+            self.outputs.finish(seq, reason, error, embedding)
             requests[seq.request.request_id] = seq.request
         for request in requests.values():
             self._forget_if_done(request)
@@ -236,7 +237,7 @@ class Batcher:
         if seq.state is SequenceState.FINISHED:
             return
         if not outcome.samples and outcome.end is not None:  # its mode ends it with no token to take
-            self._end([seq], outcome.end.reason)
+            self._end([seq], outcome.end.reason, embedding=outcome.embedding)
             return
         for index, sample in enumerate(outcome.samples):
             mode_end = outcome.end if index == len(outcome.samples) - 1 else None

@@ -113,6 +113,12 @@ class KilnParams:
     # The model's own sampling defaults (sampling.MODEL_DEFAULT_FIELDS) for requests that leave
     # those fields unset: its generation_config.json's, as vLLM takes them.
     generation_defaults: dict = field(default_factory=dict)
+    # embed_bs<N> for these sizes (contract.FunctionKind.EMBED): the hidden states an embedding
+    # pools, `hidden_size` wide; how the model pools them (models/sentence_transformers.py's
+    # EmbeddingSpec: pooling, normalize, matryoshka_dimensions).
+    embed_batch_sizes: list[int] = field(default_factory=list)
+    hidden_size: int = 0
+    embedding: dict = field(default_factory=dict)
 
     FIELD_NAMES = ()  # filled below
 

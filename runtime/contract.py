@@ -51,12 +51,15 @@ class FunctionKind(str, enum.Enum):
     # likely token (as a float), its probability, the second's, and the negative entropy, the
     # mask token left out. A 4-wide result instead of the vocabulary's width.
     DENOISE_TOP = "denoise_top"
+    # Prefill's pass (its arguments, K/V written into the pages) returning the final hidden
+    # states [N, T, H] after the last norm, for embeddings to pool (runtime/pooling.py).
+    EMBED = "embed"
 
 
 _PREFILL_ARGUMENTS = ("tokens", "start_pos", "seq_lens", "seq_block_ids", "cache")
 _PREFILL_ARGUMENTS_NO_POSITION = ("tokens", "seq_lens", "seq_block_ids", "cache")
 _DECODE_ARGUMENTS = ("tokens", "seq_lens", "start_positions", "seq_block_ids", "cache")
-_FUNCTION_NAME = re.compile(r"^(prefill_last|prefill|decode|denoise_top|denoise)_bs([1-9][0-9]*)$")
+_FUNCTION_NAME = re.compile(r"^(prefill_last|prefill|decode|denoise_top|denoise|embed)_bs([1-9][0-9]*)$")
 _FIXED_DECODE_NAME = re.compile(r"^decode_bs([1-9][0-9]*)_ctx([1-9][0-9]*)$")
 DIFFUSION = "diffusion"  # KilnParams.model_kind of a diffusion LM's export
 
@@ -96,7 +99,8 @@ def argument_names(kind: FunctionKind, has_prefill_position: bool) -> tuple[str,
     [pages, page_elems]. Without start positions, prefill writes each row from position 0.
     A multi-device export (runtime/device_layout.py) takes the cache as one buffer per device,
     in device order, where this lists one.
-    Denoise takes prefill's arguments, with any T (a window need not fill whole pages).
+    Denoise takes prefill's arguments, with any T (a window need not fill whole pages); embed
+    takes prefill's.
     """
     if FunctionKind(kind) is FunctionKind.DECODE:
         return _DECODE_ARGUMENTS
@@ -114,7 +118,8 @@ def expected_functions(params: ModelParams, with_prefill_last: bool, kiln: KilnP
     names = [function_name(kind, bs) for kind in kinds for bs in params.prefill_batch_sizes]
     names += [function_name(FunctionKind.DECODE, bs) for bs in params.decode_batch_sizes]
     buckets = kiln.decode_buckets if kiln is not None else ()
-    return names + [fixed_decode_name(bs, context) for bs in params.decode_batch_sizes for context in buckets]
+    names += [fixed_decode_name(bs, context) for bs in params.decode_batch_sizes for context in buckets]
+    return names + [function_name(FunctionKind.EMBED, bs) for bs in (kiln.embed_batch_sizes if kiln else ())]
 
 
 @dataclass(frozen=True)
@@ -168,6 +173,9 @@ class Capabilities:
     # the cache's page count those take.
     decode_buckets: tuple[int, ...] = ()
     fixed_page_count: int = 0
+    # Sizes with an embed_bs<N> (hidden states for embeddings), their width; none: no embeddings.
+    embed_batch_sizes: tuple[int, ...] = ()
+    hidden_size: int = 0
 
     @property
     def is_diffusion(self) -> bool:
@@ -202,6 +210,8 @@ class Capabilities:
             logits_shift=kiln.logits_shift if diffusion else 0,
             decode_buckets=() if diffusion else tuple(sorted(kiln.decode_buckets)),
             fixed_page_count=params.paged_kv_cache.device_block_count,
+            embed_batch_sizes=() if diffusion else tuple(sorted(kiln.embed_batch_sizes)),
+            hidden_size=kiln.hidden_size,
         )
 
     @property

@@ -1,8 +1,8 @@
 """A generation mode: how one kind of request turns a step's output into tokens.
 
 Plain decoding (runtime/decoding), beam search (runtime/beam_search), speculative decoding
-(runtime/speculative) and diffusion LMs (runtime/diffusion) each implement this interface in a
-package of their own, so the batcher's step is the same whatever the mode:
+(runtime/speculative), diffusion LMs (runtime/diffusion) and embeddings (runtime/embedding) each
+implement this interface in a package of their own, so the batcher's step is the same whatever the mode:
 
     schedule (the scheduler) -> prepare (each mode) -> execute -> update (each row's mode)
     -> take each token (runtime/finishing: the one place a sequence ends) -> emit
@@ -38,6 +38,7 @@ class Advance:
     seq: Sequence
     samples: list[SampleResult]
     end: Finish | None = None
+    embedding: np.ndarray | None = None  # what an embedding ends with, in place of tokens
 
 
 @dataclass(frozen=True)

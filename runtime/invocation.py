@@ -55,6 +55,13 @@ def build_invocation(batch: Batch, abi: Capabilities, page_count: int, vocab_siz
         for start, chunk, visible in zip(batch.starts, batch.tokens, batch.seq_lens):
             if len(chunk) < width and start + len(chunk) < visible:
                 raise InvocationError("a denoise window that attends past its end cannot be padded")
+    elif batch.phase is Phase.EMBED:
+        if rows not in abi.embed_batch_sizes:
+            raise InvocationError(f"this export has no embed function for a batch of {rows}")
+        if not abi.has_prefill_position and any(batch.starts):
+            raise InvocationError("this export's prefill takes no start position")
+        name, last_only, kind = function_name(FunctionKind.EMBED, rows), False, FunctionKind.EMBED
+        width = -(-max(len(chunk) for chunk in batch.tokens) // stride) * stride
     else:
         every_position = any(batch.full_logits)
         if every_position and not abi.every_position_logits:

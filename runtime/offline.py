@@ -3,6 +3,7 @@
     from kiln.runtime import LLM, SamplingParams
     llm = LLM("path/to/artifacts")
     print(llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))[0].text)
+    vectors = llm.embed(["a query", "a document"])  # a build with --embeddings
 
 It runs a GenerateService on a private event loop in a background thread, so
 plain synchronous code can call it, and many prompts are batched together.
@@ -15,6 +16,8 @@ import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from .contract import Artifacts
 from .request import Completion
@@ -61,6 +64,15 @@ class LLM:
             prompts = [prompts]
         ids = [p if isinstance(p, list) else self.service.encode(p, add_special_tokens) for p in prompts]
         return self._call(self._generate_all(ids, params))
+
+    def embed(self, prompts: list[str] | list[list[int]] | str, dimensions: int | None = None,
+              add_special_tokens: bool = True) -> list[np.ndarray]:
+        """One embedding per prompt (text or token ids), pooled as the model says (a build with
+        embed functions: `--embeddings`); in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [p if isinstance(p, list) else self.service.encode(p, add_special_tokens) for p in prompts]
+        return self._call(self.service.embed(ids, self.service.pooling(dimensions)))
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, add_special_tokens: bool = True):
         """Yield Events for one prompt as they are produced."""

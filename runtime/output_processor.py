@@ -66,12 +66,13 @@ class OutputProcessor:
                        stop_reason=finish.stop_reason if finish is not None and not error else None,
                        error=error, error_param=seq.params.constraint.param if error else None))
 
-    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+    def finish(self, seq: Sequence, reason: str, error: str | None = None, embedding=None) -> None:
         """The last event of a sequence that ended without a token (aborted, failed, a full
-        canvas). A beam search's sequences past its n are slots, never seen by the caller."""
+        canvas, an embedding computed). A beam search's sequences past its n are slots, never
+        seen by the caller."""
         self._prompt_logprobs.pop(seq.seq_id, None)
         if seq.index < seq.params.n:
-            seq.emit(Event(seq.index, finish_reason=reason, error=error))
+            seq.emit(Event(seq.index, finish_reason=reason, error=error, embedding=embedding))
 
     def search_finished(self, request: Request, hypotheses) -> None:
         """A search's results (runtime.beam_search.Hypothesis), the best first: each whole, in one

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .batch import Phase
 from .kvcache.base import PageAllocation
 from .sampling import SamplingParams, make_generator
 
@@ -65,6 +66,7 @@ class Event:
     error_param: str | None = None
     # With params.prompt_logprobs, on sequence 0's first event: one per prompt token (None for the first).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    embedding: np.ndarray | None = None  # an embedding request's result, on its last event
     cumulative_logprob: float | None = None  # beam search: the beam's summed log-probability
 
 
@@ -199,6 +201,18 @@ class Sequence:
     def wants_prompt_logprobs(self) -> bool:
         """Its prefill must compute every prompt position (no prefix reuse) and keep their logits."""
         return self.index == 0 and self.request.params.prompt_logprobs is not None and not self.generated
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Its prefill computes every prompt position, skipping no cached prefix: prompt logprobs
+        read every position's logits, mean and CLS pooling every position's hidden states."""
+        pooling = self.request.params.pooling
+        return self.wants_prompt_logprobs or (pooling is not None and pooling.reads_every_position)
+
+    @property
+    def prefill_phase(self) -> Phase:
+        """The call its prompt is written by: embed_bs<N> for an embedding, prefill otherwise."""
+        return Phase.PREFILL if self.request.params.pooling is None else Phase.EMBED
 
     @property
     def priority_key(self) -> tuple:

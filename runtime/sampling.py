@@ -18,6 +18,7 @@ from .errors import InvalidRequestError, shown
 if TYPE_CHECKING:
     from .diffusion.params import DiffusionParams
     from .grammar import Constraint
+    from .pooling import PoolingParams
 
 MAX_LOGPROBS = 20
 # Generous bounds (OpenAI allows 4 stop strings): every stop string is compiled into one
@@ -91,6 +92,9 @@ class SamplingParams:
     # A diffusion LM's options: its generation mode fills in the defaults; the autoregressive
     # modes refuse them.
     diffusion: DiffusionParams | None = None
+    # An embedding instead of generated text: the prompt's hidden states pooled as these say
+    # (runtime/embedding); no token is sampled.
+    pooling: PoolingParams | None = None
 
     def __post_init__(self):
         # OpenAI's `stop` may be one string; None means "not given" for both lists.

@@ -127,7 +127,7 @@ class BaseScheduler:
             if seq is None:  # finished (aborted) while the batch ran
                 continue
             seq.computed += len(chunk)
-            if batch.phase is Phase.PREFILL:
+            if batch.phase in (Phase.PREFILL, Phase.EMBED):
                 self.publish(seq)
             if seq.state is SequenceState.PREFILL and seq.computed >= seq.prefill_target:
                 seq.state = SequenceState.DECODE
@@ -187,8 +187,9 @@ class Scheduler(BaseScheduler):
                 deferred.append(seq)
                 continue
             target = seq.prefill_target
-            # Prompt logprobs need every prompt position computed: match no cached prefix.
-            matchable = [] if seq.wants_prompt_logprobs else seq.tokens[:target]
+            # Prompt logprobs (and mean or CLS pooling) need every prompt position computed:
+            # match no cached prefix.
+            matchable = [] if seq.computes_whole_prompt else seq.tokens[:target]
             allocation = self.cache.acquire_pages_for_tokens(
                 matchable, extra_token_slots=len(seq.tokens) - len(matchable)
             )
@@ -208,7 +209,7 @@ class Scheduler(BaseScheduler):
         """Whether a sequence being prefilled is about to publish pages of seq's prompt that the
         cache does not hold yet: seq waits for them rather than computing them a second time (two
         requests with one long system prompt, arriving together, compute it once)."""
-        if not self.cache.shares_prefixes or seq.wants_prompt_logprobs:
+        if not self.cache.shares_prefixes or seq.computes_whole_prompt:
             return False
         stride = self.config.block_seq_stride
         matchable = (seq.prefill_target - 1) // stride * stride  # the cache leaves the last token to compute
@@ -224,9 +225,14 @@ class Scheduler(BaseScheduler):
         # As many rows as the largest exported size that they fill: prefill is compute-bound
         # and a padding row costs as much as a real one, so two prompts with sizes [1, 4] run
         # as two batches of 1 rather than one batch of 4 that is half padding.
+        # Prompts for embeddings run through embed_bs<N>, the others through prefill: one kind a
+        # call, the first in priority order's.
+        candidates = sorted(candidates, key=lambda s: s.priority_key)
+        phase = candidates[0].prefill_phase
+        candidates = [seq for seq in candidates if seq.prefill_phase is phase]
         sizes = self.config.prefill_batch_sizes
         rows = max((size for size in sizes if size <= len(candidates)), default=sizes[0])
-        candidates = sorted(candidates, key=lambda s: s.priority_key)[:rows]
+        candidates = candidates[:rows]
         chunk_tokens = self.config.chunk
         if budgeted and self.config.budget:
             # Shorter chunks, whole pages each, so the call fits the budget.
@@ -240,8 +246,8 @@ class Scheduler(BaseScheduler):
             chunks.append(tuple(seq.tokens[seq.computed : end]))
             # A preempted sequence already sampled its last token: nothing to sample here.
             samples.append(end == seq.prefill_target and end == len(seq.tokens))
-        full_logits = tuple(seq.wants_prompt_logprobs for seq in candidates)
-        return self._batch(Phase.PREFILL, smallest_fitting(sizes, len(candidates)), candidates, starts, chunks,
+        full_logits = tuple(seq.computes_whole_prompt for seq in candidates)
+        return self._batch(phase, smallest_fitting(sizes, len(candidates)), candidates, starts, chunks,
                            samples, full_logits)
 
     def _decode_batch(self, candidates: list[Sequence]) -> Batch | None:

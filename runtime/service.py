@@ -29,7 +29,8 @@ from .decoding import PlainDecoding
 from .diffusion.mode import DiffusionDecoding
 from .diffusion.params import DEFAULT_CANVAS_TOKENS
 from .diffusion.scheduler import DiffusionScheduler, DiffusionSchedulerConfig
-from .errors import InvalidRequestError, ModelLoadError, NotReadyError, QueueFullError
+from .embedding import NO_EMBED_FUNCTIONS, Embedding
+from .errors import GenerationError, InvalidRequestError, ModelLoadError, NotReadyError, QueueFullError
 from .executor import Executor, new_device_thread
 from .finishing import Stopping
 from .generation_mode import GenerationMode
@@ -41,6 +42,7 @@ from .kvcache.trie_cache import TriePagedAttentionCache
 from .kv_tiers import disk_store_for, host_tier_for
 from .kvcache.tiers import KvTiers
 from .output_processor import OutputProcessor
+from .pooling import PoolingParams
 from .program import Program
 from .request import Event, Request
 from .sampling import Sampler, SamplingParams, model_generation_defaults
@@ -302,7 +304,7 @@ class GenerateService:
             has_prefill_position=abi.has_prefill_position,
         ), cache)
         sampler = Sampler(self.eos_token_ids)
-        modes: list[GenerationMode] = [BeamSearch(scheduler, stopping)]
+        modes: list[GenerationMode] = [Embedding(abi), BeamSearch(scheduler, stopping)]
         if config.speculative is not None:
             self.speculator = self._speculator(abi, scheduler)
             modes.append(SpeculativeDecoding(self.speculator, sampler))
@@ -458,7 +460,8 @@ class GenerateService:
         params.validate(self.vocab_size)
         footprint = self.batcher.mode_for(params).check(len(prompt_ids), params)
         total = footprint.tokens
-        if len(prompt_ids) >= self.max_seq_len or total > self.max_seq_len:
+        # An embedding generates nothing (its footprint is its prompt): it may fill the context.
+        if total > self.max_seq_len or (len(prompt_ids) >= self.max_seq_len and total > len(prompt_ids)):
             # The prompt is at fault when it leaves no room for a single token; max_tokens otherwise.
             raise InvalidRequestError(
                 f"this model's maximum context length is {self.max_seq_len} tokens, but {len(prompt_ids)} prompt "
@@ -530,6 +533,56 @@ class GenerateService:
         except ValueError as error:
             raise InvalidRequestError(str(error)) from None
         return request
+
+    def check_embeddings(self) -> None:
+        """InvalidRequestError unless the model was built with the functions embeddings call."""
+        if self.program is None or not self.program.capabilities.embed_batch_sizes:
+            raise InvalidRequestError(NO_EMBED_FUNCTIONS, param="model")
+
+    def pooling(self, dimensions: int | None = None) -> PoolingParams:
+        """How an embedding of this model pools (its sentence-transformers config's, or the
+        server's --pooling), cut to `dimensions` where given: a Matryoshka model's sizes only."""
+        spec = self.program.kiln.embedding if self.program is not None else {}
+        width = self.program.capabilities.hidden_size if self.program is not None else 0
+        if dimensions is not None and dimensions != width:
+            sizes = spec.get("matryoshka_dimensions")
+            if sizes is None:
+                raise InvalidRequestError(f"this model does not support Matryoshka embeddings: dimensions must be "
+                                          f"its width, {width}, or left out", param="dimensions")
+            if sizes and dimensions not in sizes:
+                raise InvalidRequestError(f"dimensions must be one of this model's Matryoshka sizes "
+                                          f"{', '.join(map(str, sizes))}, got {dimensions}", param="dimensions")
+        return PoolingParams(mode=self.config.pooling or spec.get("pooling", "last"),
+                             normalize=bool(spec.get("normalize", True)),
+                             dimensions=None if dimensions == width else dimensions)
+
+    async def embed(self, prompts: list[list[int]], pooling: PoolingParams, priority: int = 0) -> list[np.ndarray]:
+        """One embedding per prompt, each prompt a request of its own, batched with whatever else
+        runs; every prompt is checked before any is submitted. Leaving early aborts those in flight."""
+        self.check_ready()
+        self.check_embeddings()
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
+        for ids in prompts:
+            self.check_request(ids, params)
+        # A long list is let in a window at a time, so it neither fills the queue nor holds back
+        # the requests that arrive after it for longer than its window takes.
+        window = asyncio.Semaphore(max(1, self.config.max_running))
+
+        async def one(ids: list[int]) -> np.ndarray:
+            async with window:
+                async for event in self.stream(self.submit(ids, params, priority=priority)):
+                    if event.finish_reason is not None and event.embedding is None:
+                        raise GenerationError(f"the embedding failed: {event.error or event.finish_reason}")
+                    if event.embedding is not None:
+                        return event.embedding
+            raise GenerationError("the embedding ended without a result")
+
+        tasks = [asyncio.ensure_future(one(ids)) for ids in prompts]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
 
     async def stream(self, request: Request) -> AsyncIterator[Event]:
         open_sequences = request.params.n

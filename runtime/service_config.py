@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from .contract import Artifacts
 from .parameters import PARAMETER_MEMORY
+from .pooling import POOLING_MODES
 
 PREFIX_SHARING = ("trie", "none")
 HOST_WRITE_POLICIES = ("write_through", "write_back")  # as kvcache.host_tier names them
@@ -82,6 +83,9 @@ class ServiceConfig:
     # A disk tier under the host tier: pages saved in this directory outlive the server (None: off).
     kv_cache_dir: str | None = None
     sampling_defaults: str = "model"  # one of SAMPLING_DEFAULTS
+    # How embeddings pool the hidden states (runtime/pooling.POOLING_MODES), in place of what the
+    # model's sentence-transformers files say ("": theirs).
+    pooling: str = ""
 
     def __post_init__(self):
         if self.prefix_sharing not in PREFIX_SHARING:
@@ -92,6 +96,8 @@ class ServiceConfig:
         if self.sampling_defaults not in SAMPLING_DEFAULTS:
             raise ValueError(f"sampling_defaults must be one of {', '.join(SAMPLING_DEFAULTS)}, "
                              f"got {self.sampling_defaults!r}")
+        if self.pooling and self.pooling not in POOLING_MODES:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_MODES)}, got {self.pooling!r}")
         if self.host_kv_write_policy not in HOST_WRITE_POLICIES:
             raise ValueError(f"host_kv_write_policy must be one of {', '.join(HOST_WRITE_POLICIES)}, "
                              f"got {self.host_kv_write_policy!r}")

@@ -66,6 +66,34 @@ async def encode(service: GenerateService, text: str, limit: int, add_special_to
     return await asyncio.to_thread(service.encode, text, add_special_tokens)
 
 
+class PromptForms(NamedTuple):
+    """A prompt field's inputs, as OpenAI's /v1/completions and /v1/embeddings take them: texts,
+    or lists of token ids (one list given bare counts as one input)."""
+
+    texts: list[str] | None
+    token_lists: list[list[int]] | None
+
+
+def prompt_forms(value, param: str, most: int) -> PromptForms:
+    """A 400 naming `param` for a value that is none of a string, strings, token ids or lists of
+    them (or is empty), or holds more than `most` inputs."""
+    if isinstance(value, str):
+        forms = PromptForms([value], None)
+    elif value and all(isinstance(p, str) for p in value):
+        forms = PromptForms(list(value), None)
+    elif value and all(isinstance(p, int) for p in value):
+        forms = PromptForms(None, [list(value)])
+    elif value and all(isinstance(p, list) for p in value):
+        forms = PromptForms(None, list(value))
+    else:
+        raise InvalidRequestError(f"{param} must be a string, a list of strings or token ids, and not empty",
+                                  param=param)
+    count = len(forms.texts if forms.texts is not None else forms.token_lists)
+    if count > most:
+        raise InvalidRequestError(f"at most {most} {param}s per request, got {count}", param=param)
+    return forms
+
+
 def render_chat(service: GenerateService, messages: list[ChatMessage], template: str | None,
                 ending: ChatEnding = NEW_TURN, template_kwargs: dict[str, Any] | None = None) -> str:
     extra = {k: v for k, v in (template_kwargs or {}).items() if k not in _TEMPLATE_RESERVED}

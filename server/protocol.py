@@ -453,3 +453,50 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+# -- embeddings and scores -------------------------------------------------------------------
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's /v1/embeddings, with vLLM's extras (add_special_tokens, truncate_prompt_tokens,
+    priority)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    add_special_tokens: bool = True
+    # Keep only each input's last k tokens (-1: as many as the context holds); None: refuse a longer one.
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+
+
+class ScoreRequest(BaseModel):
+    """vLLM's /score: text_1 against each of text_2 (or pair by pair), by the cosine of their embeddings."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+
+
+class RerankRequest(BaseModel):
+    """Jina's and Cohere's /rerank, as vLLM serves it: documents ranked by their score against the query."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int | None = None
+    return_documents: bool = True
+    add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0

@@ -7,6 +7,7 @@ through `kiln.export.build` into Kiln's keyed cache, so local reruns reuse it.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,31 @@ def _export_and_compile(model: Path, out: Path, export_args=TINY_EXPORT_ARGS) ->
 def tiny_artifacts(tiny_hf_dir, tmp_path_factory) -> Path:
     """The tiny model from its HF directory, exported and compiled for the CPU."""
     return _export_and_compile(tiny_hf_dir, tmp_path_factory.mktemp("tiny-artifacts"))
+
+
+@pytest.fixture(scope="session")
+def tiny_embedding_hf(tiny_checkpoint, tmp_path_factory) -> Path:
+    """The tiny model as a sentence-transformers embedding model: last-token pooling, then
+    normalised, Matryoshka-trained to 16 and 32 of its 64 dimensions."""
+    directory = tmp_path_factory.mktemp("tiny-embedding-hf")
+    write_hf_directory(tiny_checkpoint, directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": [16, 32]}))
+    stages = [("", "Transformer"), ("1_Pooling", "Pooling"), ("2_Normalize", "Normalize")]
+    (directory / "modules.json").write_text(json.dumps([
+        {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+        for i, (path, kind) in enumerate(stages)]))
+    (directory / "1_Pooling").mkdir()
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, "pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": False}))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_embedding_artifacts(tiny_embedding_hf, tmp_path_factory) -> Path:
+    """The tiny embedding model exported with its embed functions (--embeddings) and compiled."""
+    return _export_and_compile(tiny_embedding_hf, tmp_path_factory.mktemp("tiny-embedding-artifacts"),
+                               [*TINY_EXPORT_ARGS, "--embeddings"])
 
 
 @pytest.fixture(scope="session")
@@ -221,7 +247,7 @@ def fake_model_dir(tiny_checkpoint, tmp_path_factory) -> Path:
     from tests.fake_program import write_fake_artifacts
 
     directory = tmp_path_factory.mktemp("fake-model")
-    write_fake_artifacts(directory, tiny_checkpoint.tokenizer_json, tiny_checkpoint.tokenizer_config)
+    write_fake_artifacts(directory, tiny_checkpoint.tokenizer_json, tiny_checkpoint.tokenizer_config, embeddings=True)
     return directory
 
 

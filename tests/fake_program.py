@@ -22,6 +22,7 @@ from kiln.runtime.contract import (
 )
 
 VOCAB = 384
+HIDDEN = 8  # the width of its embed functions' hidden states
 EOS = 1
 _MULTIPLIER, _MODULUS = 1_000_003, 2**31 - 1
 
@@ -48,10 +49,20 @@ def _logits(prefix: list[int]) -> np.ndarray:
     return -distance
 
 
+def hidden_state(prefix: list[int]) -> np.ndarray:
+    """The fake model's final hidden state at the end of `prefix`: a fixed function of it."""
+    h = 0
+    for position, token in enumerate(prefix):
+        h = (h * _MULTIPLIER + (token + 1) * (position + 7)) % _MODULUS
+    return np.cos(np.arange(1, HIDDEN + 1, dtype=np.float32) * (1 + h % 997) / 997)
+
+
 def write_fake_artifacts(directory: Path, tokenizer_json: str, tokenizer_config: dict | None = None,
                          stride: int = 4, max_seq_len: int = 256, pages: int = 64,
-                         prefill_sizes=(1, 4), decode_sizes=(1, 4), has_prefill_position: bool = True) -> Artifacts:
-    """model.json (+ sidecar) and the tokenizer: what a FakeProgram reads in place of a VMFB."""
+                         prefill_sizes=(1, 4), decode_sizes=(1, 4), has_prefill_position: bool = True,
+                         embeddings: bool = False) -> Artifacts:
+    """model.json (+ sidecar) and the tokenizer: what a FakeProgram reads in place of a VMFB;
+    with `embeddings`, embed functions for every prefill size (last-token pooling, normalised)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     params = ModelParams(
@@ -60,7 +71,11 @@ def write_fake_artifacts(directory: Path, tokenizer_json: str, tokenizer_config:
         has_prefill_position=has_prefill_position, attn_dtype="float32",
         paged_kv_cache=PagedKVCacheParams(stride, 1, pages, "float32"),
     )
-    save_model_config(directory / CONFIG_FILE, params, KilnParams(vocab_size=VOCAB, eos_token_ids=[EOS]))
+    kiln = KilnParams(vocab_size=VOCAB, eos_token_ids=[EOS], hidden_size=HIDDEN)
+    if embeddings:
+        kiln.embed_batch_sizes = list(prefill_sizes)
+        kiln.embedding = {"pooling": "last", "normalize": True, "matryoshka_dimensions": [4]}
+    save_model_config(directory / CONFIG_FILE, params, kiln)
     (directory / TOKENIZER_FILE).write_text(tokenizer_json)
     (directory / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tokenizer_config or {}))
     return Artifacts.in_directory(directory)
@@ -74,7 +89,7 @@ class FakeProgram:
 
         self.params, kiln = load_model_config(artifacts.config)
         self.kiln = kiln or KilnParams()
-        names = expected_functions(self.params, with_prefill_last=True)
+        names = expected_functions(self.params, True, self.kiln)
         self.capabilities = Capabilities.of(self.params, self.kiln, names)
         self.calls: list[str] = []  # every function called, in order
 
@@ -97,8 +112,9 @@ class FakeProgram:
         stride = self.params.block_seq_stride
         self.calls.append(name)
         rows, width = tokens.shape
-        last_only = kind is not FunctionKind.PREFILL
-        out = np.zeros((rows, 1 if last_only else width, VOCAB), np.float32)
+        last_only = kind not in (FunctionKind.PREFILL, FunctionKind.EMBED)
+        out = np.zeros((rows, 1 if last_only else width, HIDDEN if kind is FunctionKind.EMBED else VOCAB), np.float32)
+        row_output = hidden_state if kind is FunctionKind.EMBED else self.logits
         for row in range(rows):
             start, end = int(starts[row]), int(seq_lens[row])
             for offset in range(end - start):  # write this call's tokens into their pages
@@ -106,10 +122,10 @@ class FakeProgram:
                 cache[table[row, position // stride], position % stride] = tokens[row, offset]
             prefix = [int(cache[table[row, p // stride], p % stride]) for p in range(end)]
             if last_only:
-                out[row, 0] = self.logits(prefix)
+                out[row, 0] = row_output(prefix)
             else:
                 for offset in range(end - start):
-                    out[row, offset] = self.logits(prefix[: start + offset + 1])
+                    out[row, offset] = row_output(prefix[: start + offset + 1])
         cache[0] = -1  # page 0 is the padding page: whatever was written there is garbage
         return out
 

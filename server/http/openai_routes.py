@@ -25,7 +25,7 @@ from ..fill_in_middle import FillInMiddle
 from ..generation import Choice, Generation, admit, check_model, rest_of_context
 from ..logprobs import TokenText, chat_logprobs, completion_logprobs, join_completion_logprobs
 from ..params import check_logprobs, openai_params
-from ..prompts import ChatPrompt, chat_ending, chat_prompt_of, encode
+from ..prompts import ChatPrompt, chat_ending, chat_prompt_of, encode, prompt_forms
 from ..protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAISampling
 from ..reasoning import ReplyReasoning, reasoning_fields, reasoning_parser
 from ..settings import ServerSettings
@@ -78,26 +78,13 @@ async def completion_prompts(service: GenerateService, body: CompletionRequest, 
                              fim: FillInMiddle | None = None) -> tuple[list[list[int]], list[str]]:
     """Token ids and text of each prompt: a string, strings, token ids, or lists of token ids;
     with `fim`, each text is the prefix of a fill-in-the-middle before the request's suffix."""
-    prompt = body.prompt
-    if isinstance(prompt, str):
-        texts = [prompt]
-    elif prompt and all(isinstance(p, str) for p in prompt):
-        texts = list(prompt)
-    elif fim is not None:
-        raise InvalidRequestError("suffix needs the prompt as text: the prefix it is filled in after",
-                                  param="suffix")
-    elif prompt and all(isinstance(p, int) for p in prompt):
-        ids = service.check_token_ids(prompt)
-        return [ids], [service.decode(ids, skip_special_tokens=False)]
-    elif prompt and all(isinstance(p, list) for p in prompt):
-        if len(prompt) > settings.max_prompts:
-            raise InvalidRequestError(f"at most {settings.max_prompts} prompts per request, got {len(prompt)}", param="prompt")
-        prompts = [service.check_token_ids(p) for p in prompt]
+    texts, token_lists = prompt_forms(body.prompt, "prompt", settings.max_prompts)
+    if texts is None:
+        if fim is not None:
+            raise InvalidRequestError("suffix needs the prompt as text: the prefix it is filled in after",
+                                      param="suffix")
+        prompts = [service.check_token_ids(p) for p in token_lists]
         return prompts, [service.decode(p, skip_special_tokens=False) for p in prompts]
-    else:
-        raise InvalidRequestError("prompt must be a string, a list of strings or token ids, and not empty", param="prompt")
-    if len(texts) > settings.max_prompts:
-        raise InvalidRequestError(f"at most {settings.max_prompts} prompts per request, got {len(texts)}", param="prompt")
     limit = settings.max_prompt_chars
     if fim is None:
         return [await encode(service, t, limit, add_special_tokens=body.add_special_tokens) for t in texts], texts

@@ -80,3 +80,17 @@ def test_a_build_killed_by_the_system_is_a_load_error_that_says_what_to_do():
         in_child(_killed, None, "big.gguf")
     assert "building big.gguf stopped: its process was killed" in str(error.value)
     assert "--bs-decode" in str(error.value) and "kiln serve --artifacts" in str(error.value)
+
+
+def test_embeddings_and_pooling_reach_the_build_and_the_engine(monkeypatch, tmp_path):
+    import kiln.export.build as build_module
+    from kiln.cli.model_args import resolve_artifacts
+
+    built = []
+    monkeypatch.setattr(build_module, "build", lambda model, options, targets, log: built.append(options) or tmp_path)
+    parser = build_parser()
+    resolve_artifacts(parser.parse_args(["serve", "--embeddings"]), log=lambda line: None)
+    resolve_artifacts(parser.parse_args(["serve"]), log=lambda line: None)
+    assert [options.embedding_functions for options in built] == [True, False]
+    assert parser.parse_args(["serve", "--pooling", "mean"]).pooling == "mean"
+    assert parser.parse_args(["serve"]).pooling is None

@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 
 import httpx
+import numpy as np
 import pytest
 from websockets.sync.client import connect
 
-from tests.fake_program import expected_greedy
+from tests.fake_program import expected_greedy, hidden_state
 
 
 class Client(httpx.Client):
@@ -57,6 +58,18 @@ def test_completions_tokens_follow_the_model(client):
     assert body["choices"][0]["text"] == service.decode(expected_greedy(ids, 6))
     assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10,
                              "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_embeddings_are_the_last_hidden_state_normalised_whatever_the_batch(client):
+    prompts = [[5, 9, 13, 40] * k for k in range(1, 7)]  # six: a batch of 4 and two more
+    body = client.post("/v1/embeddings", json={"input": prompts}).json()
+    for ids, data in zip(prompts, body["data"]):
+        expected = hidden_state(ids)
+        assert data["embedding"] == pytest.approx((expected / np.linalg.norm(expected)).tolist(), abs=1e-6)
+    cut = client.post("/v1/embeddings", json={"input": prompts[0], "dimensions": 4}).json()["data"][0]["embedding"]
+    assert cut == pytest.approx((hidden_state(prompts[0])[:4] / np.linalg.norm(hidden_state(prompts[0])[:4])).tolist(),
+                                abs=1e-6)
+    assert client.service.stats().steps["embed"] >= 2
 
 
 def test_generate_route_returns_token_ids(client):
