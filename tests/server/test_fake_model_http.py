@@ -5,6 +5,7 @@ compiled model."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import numpy as np
@@ -70,6 +71,20 @@ def test_embeddings_are_the_last_hidden_state_normalised_whatever_the_batch(clie
     assert cut == pytest.approx((hidden_state(prompts[0])[:4] / np.linalg.norm(hidden_state(prompts[0])[:4])).tolist(),
                                 abs=1e-6)
     assert client.service.stats().steps["embed"] >= 2
+
+
+def test_an_embedding_request_its_client_leaves_is_aborted_and_gives_its_pages_back(client):
+    service = client.service
+    before = service.stats().steps["embed"]
+    prompts = [[5 + i % 300, 9, 13, 40] * 60 for i in range(2000)]  # 2,000 inputs of 240 tokens: 500 calls or more
+    with pytest.raises(httpx.ReadTimeout):
+        client.post("/v1/embeddings", json={"input": prompts}, timeout=0.5)
+    deadline = time.monotonic() + 30
+    while service.in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = service.stats()
+    assert service.in_flight == 0 and stats.pages_active == 0
+    assert stats.steps["embed"] - before < 500  # the inputs not yet written never were
 
 
 def test_generate_route_returns_token_ids(client):
