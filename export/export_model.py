@@ -22,6 +22,7 @@ from iree.turbine import aot
 from kiln.models.checkpoint import Checkpoint
 from kiln.models.config import SLIDING
 from kiln.models.llama import PagedLlama
+from kiln.models.lora import attach_lora, lora_shapes
 from kiln.models.quantize import FLOAT32, quantize_model
 from kiln.models.registry import family_named
 from kiln.models.sharded_llama import ShardedPagedLlama
@@ -97,6 +98,11 @@ def kiln_params(checkpoint: Checkpoint, options: ExportOptions) -> KilnParams:
         generation_defaults=dict(checkpoint.generation_defaults),
         hidden_size=c.hidden_size,
     )
+    if options.lora_slots:
+        kiln = replace(kiln, lora={"slots": options.lora_slots, "rank": options.lora_rank,
+                                   "layers": c.num_hidden_layers,
+                                   "modules": {m: list(shape) for m, shape in
+                                               lora_shapes(c, options.lora_modules).items()}})
     if options.embedding_functions and not c.is_diffusion:
         kiln = replace(kiln, embed_batch_sizes=list(options.prefill_batch_sizes),
                        embedding=checkpoint.embedding.to_json())
@@ -144,9 +150,13 @@ def build_model(checkpoint: Checkpoint, options: ExportOptions) -> PagedLlama | 
     if options.layout.device_count > 1:
         model = ShardedPagedLlama(model, options.layout)
     if not options.cpu_kernels:
-        return quantize_model(model, options.quantize, weight_matmul_kernel, checkpoint.blocks).eval()
-    mode = FLOAT32 if options.quantize == "none" and options.dtype == "float32" else options.quantize
-    return quantize_model(model, mode, row_matmul_kernel, checkpoint.blocks).eval()
+        model = quantize_model(model, options.quantize, weight_matmul_kernel, checkpoint.blocks).eval()
+    else:
+        mode = FLOAT32 if options.quantize == "none" and options.dtype == "float32" else options.quantize
+        model = quantize_model(model, mode, row_matmul_kernel, checkpoint.blocks).eval()
+    if options.lora_slots:  # after quantizing: the adapters' deltas stay float32 beside any storage
+        model.lora_inputs = attach_lora(model, options.lora_modules)
+    return model
 
 
 def export_model(checkpoint: Checkpoint, options: ExportOptions, output_dir: Path, log=print) -> ExportedModel:
@@ -158,6 +168,11 @@ def export_model(checkpoint: Checkpoint, options: ExportOptions, output_dir: Pat
     if options.embedding_functions and c.is_diffusion:
         raise ExportError("--embeddings applies to autoregressive models: a diffusion LM's hidden states see "
                           "both ways")
+    if options.lora_slots and c.is_diffusion:
+        raise ExportError("LoRA adapters apply to autoregressive models")
+    if options.lora_slots and c.num_experts and {"gate_proj", "up_proj", "down_proj"} & set(options.lora_modules):
+        raise ExportError("LoRA adapters on a mixture-of-experts model adapt its attention only: pass --lora-modules "
+                          "from q_proj, k_proj, v_proj, o_proj")
     if options.embedding_functions and checkpoint.embedding.unsupported:
         raise ExportError(f"--embeddings: this model's embeddings cannot be served as it defines them: "
                           f"{checkpoint.embedding.unsupported}")

@@ -17,6 +17,7 @@ from iree.turbine import aot
 from torch.export import Dim
 
 from kiln.models.llama import MASKED_SCORE, PagedLlama
+from kiln.models.lora import stacked_lora_examples
 from kiln.models.sharded_llama import ShardedPagedLlama
 from kiln.runtime.contract import FunctionKind, argument_names, fixed_decode_name, function_name
 
@@ -101,6 +102,37 @@ def abi_functions(options: ExportOptions, final_only: bool) -> dict[FunctionKind
     }
 
 
+def with_lora(bodies: dict[FunctionKind, object], has_prefill_position: bool) -> dict[FunctionKind, object]:
+    """The bodies taking each row's adapter slot and the stacked adapter weights before the cache
+    (the contract's order), which they bind to the model's LoraInputs (models/lora.py) first."""
+
+    def prefill(model, tokens, start_pos, seq_lens, seq_block_ids, lora_slots, lora_weights, cache):
+        model.lora_inputs.bind(lora_slots, lora_weights)
+        return bodies[FunctionKind.PREFILL](model, tokens, start_pos, seq_lens, seq_block_ids, cache)
+
+    def prefill_without_position(model, tokens, seq_lens, seq_block_ids, lora_slots, lora_weights, cache):
+        model.lora_inputs.bind(lora_slots, lora_weights)
+        return bodies[FunctionKind.PREFILL](model, tokens, seq_lens, seq_block_ids, cache)
+
+    def embed(model, tokens, start_pos, seq_lens, seq_block_ids, lora_slots, lora_weights, cache):
+        model.lora_inputs.bind(lora_slots, lora_weights)
+        return bodies[FunctionKind.EMBED](model, tokens, start_pos, seq_lens, seq_block_ids, cache)
+
+    def embed_without_position(model, tokens, seq_lens, seq_block_ids, lora_slots, lora_weights, cache):
+        model.lora_inputs.bind(lora_slots, lora_weights)
+        return bodies[FunctionKind.EMBED](model, tokens, seq_lens, seq_block_ids, cache)
+
+    def decode(model, tokens, seq_lens, start_positions, seq_block_ids, lora_slots, lora_weights, cache):
+        model.lora_inputs.bind(lora_slots, lora_weights)
+        return bodies[FunctionKind.DECODE](model, tokens, seq_lens, start_positions, seq_block_ids, cache)
+
+    return {
+        FunctionKind.PREFILL: prefill if has_prefill_position else prefill_without_position,
+        FunctionKind.DECODE: decode,
+        FunctionKind.EMBED: embed if has_prefill_position else embed_without_position,
+    }
+
+
 def device_affinities(names: tuple[str, ...], cache) -> dict[int, aot.DeviceAffinity] | None:
     """Where a multi-device function's cache buffers live (the flattened argument order puts the
     cache list last): each on its own device. Device 0's arguments (the request's arrays and its
@@ -161,6 +193,11 @@ def trace_module(model: PagedLlama | ShardedPagedLlama, options: ExportOptions, 
     cache_dtype = TORCH_DTYPES[options.cache_dtype]
     example_pages = max(options.device_block_count, 4)
     fxb = aot.FxProgramsBuilder(model)
+    lora = bool(options.lora_slots)
+    lora_examples = {}
+    if lora:  # static shapes: every slot's weights at the build's rank
+        weights = stacked_lora_examples(model.config, options.lora_modules, options.lora_slots, options.lora_rank)
+        lora_examples["lora_weights"] = (weights, [{}] * len(weights))
 
     if model.config.is_diffusion:
         kinds = [(FunctionKind.DENOISE, False)]
@@ -175,21 +212,29 @@ def trace_module(model: PagedLlama | ShardedPagedLlama, options: ExportOptions, 
             kinds.append((FunctionKind.EMBED, False))
     for kind, final_only in kinds:
         traced_kind = FunctionKind.PREFILL if kind is FunctionKind.PREFILL_LAST else kind
-        body = abi_functions(options, final_only)[traced_kind]
-        names = argument_names(traced_kind, options.has_prefill_position)
+        bodies = abi_functions(options, final_only)
+        if lora:
+            bodies = with_lora(bodies, options.has_prefill_position)
+        body = bodies[traced_kind]
+        names = argument_names(traced_kind, options.has_prefill_position, lora)
         sizes = {FunctionKind.DECODE: options.decode_batch_sizes, FunctionKind.DENOISE: options.denoise_batch_sizes,
                  FunctionKind.DENOISE_TOP: options.denoise_batch_sizes}.get(kind, options.prefill_batch_sizes)
         for bs in sizes:
             pages = Dim("pages", min=2)
             cache = model.allocate_cache(example_pages, cache_dtype)
-            examples = dynamic_examples(kind, bs, options)
+            examples = dynamic_examples(kind, bs, options) | lora_examples
             examples["cache"] = (cache, [{0: pages}] * len(cache) if isinstance(cache, list) else {0: pages})
+            if lora:
+                examples["lora_slots"] = (torch.zeros(bs, dtype=torch.int64), {})
             trace_function(fxb, body, function_name(kind, bs), names, examples, log)
             if kind is not FunctionKind.DECODE:
                 continue
             for context in options.decode_buckets or ():
                 cache = model.allocate_cache(options.device_block_count, cache_dtype)
                 examples = {name: (tensor, {}) for name, (tensor, _) in dynamic_examples(kind, bs, options).items()}
+                examples |= lora_examples
+                if lora:
+                    examples["lora_slots"] = (torch.zeros(bs, dtype=torch.int64), {})
                 examples["seq_block_ids"] = (torch.zeros(bs, context // stride, dtype=torch.int64), {})
                 examples["cache"] = (cache, [{}] * len(cache) if isinstance(cache, list) else {})
                 trace_function(fxb, body, fixed_decode_name(bs, context), names, examples, log)

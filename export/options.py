@@ -10,6 +10,7 @@ from kiln.runtime.device_layout import DeviceLayout
 from kiln.runtime.errors import ExportError
 
 LOGITS_NORMALIZATIONS = ("none", "softmax", "log_softmax")
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,12 @@ class ExportOptions:
     # /v1/embeddings and /v1/score pool (runtime/pooling.py). Off by default, as vLLM serves
     # embeddings only from a model started for them: each adds a prefill's compile.
     embedding_functions: bool = False
+    # LoRA adapters served over the model (models/lora.py): every function also takes each row's
+    # adapter slot and the stacked weights of `lora_slots` slots of rank up to `lora_rank` for
+    # `lora_modules`; 0 slots: no LoRA, the functions as without it.
+    lora_slots: int = 0
+    lora_rank: int = 16
+    lora_modules: tuple[str, ...] = LORA_MODULES
 
     @property
     def layout(self) -> DeviceLayout:
@@ -112,6 +119,15 @@ class ExportOptions:
             )
         if self.top_k is not None and self.top_k < 1:
             raise ExportError(f"top_k must be a positive integer, got {self.top_k}")
+        if self.lora_slots < 0 or self.lora_rank < 1:
+            raise ExportError(f"--max-loras must be >= 0 and --max-lora-rank >= 1, got {self.lora_slots} and "
+                              f"{self.lora_rank}")
+        unknown = sorted(set(self.lora_modules) - set(LORA_MODULES))
+        if self.lora_slots and (unknown or not self.lora_modules):
+            raise ExportError(f"--lora-modules must be some of {', '.join(LORA_MODULES)}, got "
+                              f"{', '.join(self.lora_modules) or 'none'}")
+        if self.lora_slots and self.layout.device_count > 1:
+            raise ExportError("LoRA adapters apply to a one-device export, not tensor or pipeline parallel ones")
         if self.cpu_kernels and self.layout.device_count > 1:
             raise ExportError("cpu_kernels apply to a one-device export, not tensor or pipeline parallel ones")
         max_seq_len = self.max_seq_len

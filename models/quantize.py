@@ -303,7 +303,13 @@ class QuantizedEmbedding(QuantizedWeight):
 
 def stacked_linear(layers, x: torch.Tensor) -> torch.Tensor:
     """x through linear layers that share it, as one matmul over their weights concatenated
-    (a compiler concatenates parameters once, at load time)."""
+    (a compiler concatenates parameters once, at load time). LoRA-wrapped layers (models/lora.py)
+    stack their bases and add their deltas."""
+    if any(hasattr(layer, "delta") for layer in layers):
+        adapted = [hasattr(layer, "delta") for layer in layers]
+        out = stacked_linear([layer.base if wrapped else layer for layer, wrapped in zip(layers, adapted)], x)
+        return out + torch.cat([layer.delta(x) if wrapped else x.new_zeros(*x.shape[:-1], layer.weight.shape[0])
+                                for layer, wrapped in zip(layers, adapted)], dim=-1)
     bias = torch.cat([layer.bias for layer in layers]) if layers[0].bias is not None else None
     if not isinstance(layers[0], QuantizedLinear):
         return F.linear(x, torch.cat([layer.weight for layer in layers]), bias)

@@ -119,6 +119,9 @@ class KilnParams:
     embed_batch_sizes: list[int] = field(default_factory=list)
     hidden_size: int = 0
     embedding: dict = field(default_factory=dict)
+    # LoRA adapter slots (models/lora.py), empty without: {"slots", "rank", "layers", "modules":
+    # {name: [in, out]}}; the functions then take each row's slot and the stacked weights.
+    lora: dict = field(default_factory=dict)
 
     FIELD_NAMES = ()  # filled below
 

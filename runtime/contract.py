@@ -91,7 +91,7 @@ def parse_function_name(name: str) -> tuple[FunctionKind, int] | None:
     return (FunctionKind(match.group(1)), int(match.group(2))) if match else None
 
 
-def argument_names(kind: FunctionKind, has_prefill_position: bool) -> tuple[str, ...]:
+def argument_names(kind: FunctionKind, has_prefill_position: bool, lora: bool = False) -> tuple[str, ...]:
     """The arguments of a function of `kind`, in call order; the cache (updated in place) is last.
 
     tokens [N, T] i64 (T a multiple of the stride for prefill, 1 for decode), start
@@ -100,13 +100,16 @@ def argument_names(kind: FunctionKind, has_prefill_position: bool) -> tuple[str,
     A multi-device export (runtime/device_layout.py) takes the cache as one buffer per device,
     in device order, where this lists one.
     Denoise takes prefill's arguments, with any T (a window need not fill whole pages); embed
-    takes prefill's.
+    takes prefill's. With LoRA adapters, each row's adapter slot [N] i64 and the slots' stacked
+    weights (A then B per adapted module, models/lora.py) come before the cache.
     """
     if FunctionKind(kind) is FunctionKind.DECODE:
-        return _DECODE_ARGUMENTS
-    if FunctionKind(kind) in (FunctionKind.DENOISE, FunctionKind.DENOISE_TOP):
-        return _PREFILL_ARGUMENTS
-    return _PREFILL_ARGUMENTS if has_prefill_position else _PREFILL_ARGUMENTS_NO_POSITION
+        names = _DECODE_ARGUMENTS
+    elif FunctionKind(kind) in (FunctionKind.DENOISE, FunctionKind.DENOISE_TOP):
+        names = _PREFILL_ARGUMENTS
+    else:
+        names = _PREFILL_ARGUMENTS if has_prefill_position else _PREFILL_ARGUMENTS_NO_POSITION
+    return names[:-1] + ("lora_slots", "lora_weights", "cache") if lora else names
 
 
 def expected_functions(params: ModelParams, with_prefill_last: bool, kiln: KilnParams | None = None) -> list[str]:
