@@ -40,6 +40,8 @@ class Batch:
     # What each row's attention sees when it reaches past its tokens (a diffusion LM's window
     # attends to cached K/V on both sides); empty: each row ends at its last token.
     visible: tuple[int, ...] = ()
+    # Each row's LoRA adapter slot (0: the base model), for a build with adapter slots; empty: all 0.
+    lora_slots: tuple[int, ...] = ()
 
     @property
     def rows(self) -> int:

@@ -92,7 +92,7 @@ class Batcher:
 
     async def _prefetch_then_schedule(self, request: Request) -> None:
         try:
-            await self.kv_tiers.read_prefix(request.prompt_ids)
+            await self.kv_tiers.read_prefix(request.cache_key(request.prompt_ids))
         except Exception:  # what could not be read is computed instead
             log.exception("reading a prompt's cached pages failed")
         self._schedule(request)
@@ -137,8 +137,8 @@ class Batcher:
             self._forget_if_done(request)
 
     def _forget_if_done(self, request: Request) -> None:
-        if request.finished:
-            self.requests.pop(request.request_id, None)
+        if request.finished and self.requests.pop(request.request_id, None) is not None and request.on_done:
+            request.on_done()
 
     async def reset_prefix_cache(self) -> int:
         """Drop every cached page no request uses (device and host tiers), between steps;

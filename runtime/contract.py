@@ -179,6 +179,12 @@ class Capabilities:
     # Sizes with an embed_bs<N> (hidden states for embeddings), their width; none: no embeddings.
     embed_batch_sizes: tuple[int, ...] = ()
     hidden_size: int = 0
+    # LoRA adapter slots the functions take (0: none), of ranks up to lora_rank, over lora_layers
+    # layers; each adapted module's (name, in, out), in the order of their stacked weights.
+    lora_slots: int = 0
+    lora_rank: int = 0
+    lora_layers: int = 0
+    lora_modules: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def is_diffusion(self) -> bool:
@@ -215,6 +221,10 @@ class Capabilities:
             fixed_page_count=params.paged_kv_cache.device_block_count,
             embed_batch_sizes=() if diffusion else tuple(sorted(kiln.embed_batch_sizes)),
             hidden_size=kiln.hidden_size,
+            lora_slots=kiln.lora.get("slots", 0),
+            lora_rank=kiln.lora.get("rank", 0),
+            lora_layers=kiln.lora.get("layers", 0),
+            lora_modules=tuple((name, fin, fout) for name, (fin, fout) in kiln.lora.get("modules", {}).items()),
         )
 
     @property

@@ -36,9 +36,12 @@ class Executor:
         self.page_count = page_count
         self.vocab_size = vocab_size
         self._thread = thread
+        # A LoRA build's stacked adapter weights on the device (runtime/lora), passed before the
+        # cache; replaced whole, between steps, when an adapter is loaded into a slot.
+        self.lora_weights: list = []
 
     def _invoke(self, invocation: Invocation) -> list[np.ndarray | None]:
-        logits = self.program.call(invocation.function, *invocation.arguments, self.cache)
+        logits = self.program.call(invocation.function, *invocation.arguments, *self.lora_weights, self.cache)
         # A live view of the device's result: copy only the rows that are read.
         return [np.array(logits[at], dtype=np.float32) if want else None
                 for at, want in zip(invocation.read_at, invocation.wanted)]

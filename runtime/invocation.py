@@ -102,9 +102,15 @@ def build_invocation(batch: Batch, abi: Capabilities, page_count: int, vocab_siz
         else:  # every position of the chunk for prompt logprobs, else its last
             read_at.append((row, slice(0, len(chunk)) if full else len(chunk) - 1))
     wanted = tuple(samples or full for samples, full in zip(batch.samples, batch.full_logits))
+    lora_slots = np.zeros(rows, np.int64)
+    lora_slots[: len(batch.lora_slots)] = batch.lora_slots
+    if lora_slots.min() < 0 or lora_slots.max() > abi.lora_slots:
+        raise InvocationError(f"a LoRA slot is outside this build's 0..{abi.lora_slots}")
     named = {"tokens": tokens, "start_pos": starts, "start_positions": starts, "seq_lens": seq_lens,
-             "seq_block_ids": table}
-    arguments = tuple(named[arg] for arg in argument_names(kind, abi.has_prefill_position) if arg != "cache")
+             "seq_block_ids": table, "lora_slots": lora_slots}
+    # The stacked adapter weights and the cache are the executor's, passed after these.
+    arguments = tuple(named[arg] for arg in argument_names(kind, abi.has_prefill_position, bool(abi.lora_slots))
+                      if arg not in ("lora_weights", "cache"))
     return Invocation(name, arguments, tuple(read_at), wanted)
 
 
@@ -115,16 +121,18 @@ def _speculation_as_decode(batch: Batch, abi: Capabilities, page_count: int, voc
     row's K/V before any row attends). So each token's logits are what plain decoding would
     compute one step at a time, through the same kernels, whose results for a row do not depend
     on the rows beside it; a prefill over the draft would run other kernels and round otherwise."""
-    rows: list[tuple] = []  # (sequence, start, token, table) per call row
+    rows: list[tuple] = []  # (sequence, start, token, table, adapter slot) per call row
     read_at = []
-    for seq_id, start, chunk, table in zip(batch.seq_ids, batch.starts, batch.tokens, batch.block_tables):
+    slots = batch.lora_slots or (0,) * batch.rows
+    for seq_id, start, chunk, table, slot in zip(batch.seq_ids, batch.starts, batch.tokens, batch.block_tables,
+                                                 slots):
         read_at.append((slice(len(rows), len(rows) + len(chunk)), 0))
-        rows += [(seq_id, start + i, (token,), table) for i, token in enumerate(chunk)]
+        rows += [(seq_id, start + i, (token,), table, slot) for i, token in enumerate(chunk)]
     if len(rows) > batch.batch_size:
         raise InvocationError(f"a speculation batch of {len(rows)} tokens for a decode of {batch.batch_size} rows")
-    seq_ids, starts, tokens, tables = zip(*rows)
+    seq_ids, starts, tokens, tables, row_slots = zip(*rows)
     decode = Batch(Phase.DECODE, batch.batch_size, seq_ids, starts, tokens, tables, (True,) * len(rows),
-                   (False,) * len(rows))
+                   (False,) * len(rows), lora_slots=row_slots)
     call = build_invocation(decode, abi, page_count, vocab_size)
     wanted = tuple(samples or full for samples, full in zip(batch.samples, batch.full_logits))
     return Invocation(call.function, call.arguments, tuple(read_at), wanted)

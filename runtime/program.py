@@ -75,6 +75,11 @@ class Program:
         return ShardedKvCache([ireert.asdevicearray(device, np.zeros((pages, width), dtype=self.cache_dtype))
                                for device, width in zip(self.devices, widths)])
 
+    def device_array(self, array: np.ndarray) -> ireert.DeviceArray:
+        """A host array copied to the (first) device: arguments the runtime keeps, such as a LoRA
+        build's stacked adapter weights."""
+        return ireert.asdevicearray(self.device, array)
+
     @staticmethod
     def _arguments(args) -> list:
         """The call's arguments with a sharded cache spread into its buffers, in device order."""

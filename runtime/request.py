@@ -16,6 +16,7 @@ import asyncio
 import enum
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -130,6 +131,16 @@ class Request:
     # difference is its queue time (a metric the server reports).
     arrived_at: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None
+    # A LoRA adapter's slot in the build (0: the base model), and the offset its tokens take in the
+    # prefix cache's keys, so that its K/V are never shared with another adapter's (0: none).
+    lora_slot: int = 0
+    cache_salt: int = 0
+    # Called once when its last sequence finishes (an adapter's slot let go).
+    on_done: Callable[[], None] | None = field(default=None, repr=False)
+
+    def cache_key(self, tokens: list[int]) -> list[int]:
+        """`tokens` as the prefix cache keys them for this request."""
+        return [token + self.cache_salt for token in tokens] if self.cache_salt else list(tokens)
 
     @property
     def finished(self) -> bool:

@@ -118,7 +118,7 @@ class BaseScheduler:
     def publish(self, seq: Sequence) -> None:
         """Offer seq's full pages of computed tokens to the prefix cache (others may share them)."""
         if seq.allocation is not None:
-            self.cache.publish_allocated_pages(seq.allocation, seq.tokens[: seq.computed])
+            self.cache.publish_allocated_pages(seq.allocation, seq.request.cache_key(seq.tokens[: seq.computed]))
 
     def written(self, batch: Batch) -> None:
         """A batch has run: its rows' K/V are in the cache (a prompt's full pages published), and
@@ -189,7 +189,7 @@ class Scheduler(BaseScheduler):
             target = seq.prefill_target
             # Prompt logprobs (and mean or CLS pooling) need every prompt position computed:
             # match no cached prefix.
-            matchable = [] if seq.computes_whole_prompt else seq.tokens[:target]
+            matchable = [] if seq.computes_whole_prompt else seq.request.cache_key(seq.tokens[:target])
             allocation = self.cache.acquire_pages_for_tokens(
                 matchable, extra_token_slots=len(seq.tokens) - len(matchable)
             )
@@ -214,7 +214,8 @@ class Scheduler(BaseScheduler):
         stride = self.config.block_seq_stride
         matchable = (seq.prefill_target - 1) // stride * stride  # the cache leaves the last token to compute
         for other in self.running:
-            if other.state is not SequenceState.PREFILL or other.computed >= matchable:
+            if (other.state is not SequenceState.PREFILL or other.computed >= matchable
+                    or other.request.cache_salt != seq.request.cache_salt):  # another adapter's K/V
                 continue
             shared = _shared_pages(seq.tokens, other.tokens, matchable // stride, stride) * stride
             if shared > other.computed:
@@ -310,7 +311,8 @@ class Scheduler(BaseScheduler):
     @staticmethod
     def _batch(phase, size, seqs, starts, chunks, samples, full_logits) -> Batch:
         return Batch(phase, size, tuple(s.seq_id for s in seqs), tuple(starts), tuple(chunks),
-                     tuple(tuple(s.allocation.pages) for s in seqs), tuple(samples), tuple(full_logits))
+                     tuple(tuple(s.allocation.pages) for s in seqs), tuple(samples), tuple(full_logits),
+                     lora_slots=tuple(s.request.lora_slot for s in seqs))
 
     # -- pages ------------------------------------------------------------------------
     def _ensure_pages(self, seq: Sequence, exclude: list[Sequence]) -> bool:

@@ -41,6 +41,7 @@ from .kvcache.plain_cache import PlainPagedAttentionCache
 from .kvcache.trie_cache import TriePagedAttentionCache
 from .kv_tiers import disk_store_for, host_tier_for
 from .kvcache.tiers import KvTiers
+from .lora.registry import AdapterHold, LoraRegistry
 from .output_processor import OutputProcessor
 from .pooling import PoolingParams
 from .program import Program
@@ -147,6 +148,8 @@ class GenerateService:
         # config.speculative), a diffusion LM's mode.
         self.speculator: Speculator | None = None
         self.diffusion: DiffusionDecoding | None = None
+        # A LoRA build's adapters and slots (None for a build without slots).
+        self.loras: LoraRegistry | None = None
 
     # -- lifecycle --------------------------------------------------------------------
     async def start(self) -> "GenerateService":
@@ -222,6 +225,7 @@ class GenerateService:
             self.kv_tiers = KvTiers(cache, host_tier, disk)
         executor = Executor(program, pool.buffer, page_count, self.vocab_size, self._device_thread)
         self.program, self.cache, self.pool = program, cache, pool
+        self._load_loras(abi, executor)
         stopping = Stopping(self.tokenizer, self.eos_token_ids, abi.max_seq_len)
         scheduler, modes = self._diffusion_modes(abi, cache) if abi.is_diffusion else self._modes(abi, cache, stopping)
         self.batcher = Batcher(scheduler, executor, modes, stopping, OutputProcessor(self.tokenizer),
@@ -231,6 +235,35 @@ class GenerateService:
             artifacts.vmfb, page_count, abi.block_seq_stride,
             page_count * page_bytes / 2**20, time.monotonic() - started,
         )
+
+    def _load_loras(self, abi, executor: Executor) -> None:
+        """A LoRA build's adapter registry, its empty slots on the device, and the adapters the
+        config names, read and checked (a ModelLoadError naming the one that does not fit)."""
+        if not abi.lora_slots:
+            if self.config.lora_adapters:
+                raise ModelLoadError("LoRA adapters need a build with adapter slots: build the model with "
+                                     "--max-loras N (and --max-lora-rank R)")
+            return
+
+        async def upload(arrays: list[np.ndarray]) -> None:
+            def on_device() -> None:
+                executor.lora_weights = [self.program.device_array(array) for array in arrays]
+
+            await asyncio.get_running_loop().run_in_executor(self._device_thread, on_device)
+
+        self.loras = LoraRegistry(abi, upload)
+        executor.lora_weights = [self.program.device_array(array) for array in self.loras.stacked()]
+        for name, path in self.config.lora_adapters.items():
+            try:
+                self.loras.load(name, path)
+            except InvalidRequestError as error:
+                raise ModelLoadError(f"--lora {name}: {error}") from None
+
+    async def hold_adapter(self, name: str) -> AdapterHold:
+        """A request's hold on the LoRA adapter `name`'s slot (placing it first if need be)."""
+        if self.loras is None:
+            raise InvalidRequestError("this model was built without LoRA adapter slots", param="model")
+        return await self.loras.hold(name)
 
     async def save_prefix_to_disk(self, prompt_ids: list[int]) -> int:
         """A prompt's full pages computed (if they are not cached) and saved on disk, whatever the
@@ -520,12 +553,26 @@ class GenerateService:
         async for event in self.stream(request):
             yield event
 
-    def submit(self, prompt_ids, params: SamplingParams, request_id=None, priority: int = 0) -> Request:
+    def submit(self, prompt_ids, params: SamplingParams, request_id=None, priority: int = 0,
+               adapter: AdapterHold | None = None) -> Request:
+        """Check and submit a request; `adapter`: the LoRA adapter it runs with (its hold is let go
+        when the request ends, or here if it is refused)."""
+        try:
+            return self._submit(prompt_ids, params, request_id, priority, adapter)
+        except BaseException:
+            if adapter is not None:
+                adapter.release()
+            raise
+
+    def _submit(self, prompt_ids, params: SamplingParams, request_id, priority: int,
+                adapter: AdapterHold | None) -> Request:
         self.check_ready()
         self.check_request(prompt_ids, params)
         if self.batcher.scheduler.waiting_count >= self.config.max_queue:
             raise QueueFullError(f"the queue is full ({self.config.max_queue} requests waiting): retry later")
         request = Request(list(prompt_ids), params, request_id or uuid.uuid4().hex, priority=priority)
+        if adapter is not None:
+            request.lora_slot, request.cache_salt, request.on_done = adapter.slot, adapter.cache_salt, adapter.release
         if params.constraint is not None:  # before the batcher can step: each sequence its own matcher
             request.matchers = [self.grammars.matcher(params.constraint) for _ in range(params.n)]
         try:

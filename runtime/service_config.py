@@ -6,7 +6,7 @@ without loading the runtime.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .contract import Artifacts
 from .parameters import PARAMETER_MEMORY
@@ -86,6 +86,8 @@ class ServiceConfig:
     # How embeddings pool the hidden states (runtime/pooling.POOLING_MODES), in place of what the
     # model's sentence-transformers files say ("": theirs).
     pooling: str = ""
+    # LoRA adapters to load at start, name -> PEFT directory, for a build with adapter slots.
+    lora_adapters: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.prefix_sharing not in PREFIX_SHARING:
