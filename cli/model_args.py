@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from kiln.runtime.config import DTYPES, QUANTIZE_CHOICES
+from kiln.runtime.lora.adapter import TARGET_MODULES as LORA_MODULES
 from kiln.runtime.errors import KilnError
 
 
@@ -61,6 +62,16 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with --model or the default model: also build the functions /v1/embeddings and "
                        "/v1/score call (the final hidden states, pooled as the model's sentence-transformers files "
                        "say, else its last token's, normalised)")
+    group.add_argument("--enable-lora", action="store_true",
+                       help="with --model or the default model: build adapter slots, so that LoRA adapters "
+                       "(--lora, /v1/load_lora_adapter) run over the model, several in one batch (implied by --lora)")
+    group.add_argument("--max-loras", type=positive_int, default=4,
+                       help="with --enable-lora: adapters that may be in use at once (default: %(default)s)")
+    group.add_argument("--max-lora-rank", type=positive_int, default=16,
+                       help="with --enable-lora: the largest adapter rank served (default: %(default)s)")
+    group.add_argument("--lora-target-modules", default=",".join(LORA_MODULES), metavar="M,M",
+                       help="with --enable-lora: the layers adapters may adapt (default: all of "
+                       f"{','.join(LORA_MODULES)})")
     group.add_argument("--device", default="local-task", help="local-task (CPU), cuda, hip")
     group.add_argument("--parameter-memory", choices=("auto", "mapped", "private"), default="auto",
                        help="where the weights live in host memory: mapped (the file's pages, shared with every "
@@ -111,6 +122,9 @@ def resolve_artifacts(args, log=lambda line: print(line, file=sys.stderr, flush=
     options = default_build_options(args.dtype, args.kv_cache_dtype, args.tensor_parallel, args.pipeline_parallel,
                                     quantize=args.quantize, cpu_kernels=cpu_kernels)
     options = replace(options, embedding_functions=args.embeddings)
+    if args.enable_lora or getattr(args, "lora", None):
+        modules = tuple(m.strip() for m in args.lora_target_modules.split(",") if m.strip())
+        options = replace(options, lora_slots=args.max_loras, lora_rank=args.max_lora_rank, lora_modules=modules)
     from kiln.models.packaged import resolve_model_path
 
     model = None if args.model is None else resolve_model_path(args.model)

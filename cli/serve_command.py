@@ -59,6 +59,13 @@ def _byte_size(text: str) -> int:
     return int(value)
 
 
+def _lora_adapter(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (a PEFT adapter directory), got {text!r}")
+    return name, path
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -117,6 +124,9 @@ def add_command(commands) -> None:
                         "are: model: the model's own (its generation_config.json, a GGUF's general.sampling "
                         "keys; the bundled model's card: temperature 0.2, top_p 0.9), else OpenAI's; openai: "
                         "OpenAI's always (temperature 1, top_p 1) (default: %(default)s)")
+    engine.add_argument("--lora", "--lora-modules", nargs="+", type=_lora_adapter, default=[], metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT directories) to load at start, each served as the model NAME "
+                        "(builds the model with adapter slots, as --enable-lora)")
     engine.add_argument("--pooling", choices=POOLING_MODES, default=None,
                         help="how embeddings pool the prompt's hidden states: last (token), mean, cls (the first "
                         "token) (default: what the model's sentence-transformers files say, else last)")
@@ -258,7 +268,7 @@ def second_model_artifacts(args, path: Path, label: str):
 
         raise ModelLoadError(f"{label} path {path} does not exist")
     choice = argparse.Namespace(**{**vars(args), "vmfb": None, "params": None, "config": None, "tokenizer": None,
-                                   "embeddings": False})
+                                   "embeddings": False, "enable_lora": False, "lora": []})
     if (path / CONFIG_FILE).is_file():
         choice.artifacts, choice.model = path, None
         return resolve_artifacts(choice)
@@ -352,6 +362,7 @@ def run_serve(args) -> int:
         kv_cache_dir=args.kv_cache_dir,
         sampling_defaults=args.sampling_defaults,
         pooling=args.pooling or "",
+        lora_adapters=dict(args.lora),
     )
     if args.data_parallel:
         return run_data_parallel(args, service_config, settings)

@@ -95,6 +95,8 @@ class SamplingParams:
     # An embedding instead of generated text: the prompt's hidden states pooled as these say
     # (runtime/embedding); no token is sampled.
     pooling: PoolingParams | None = None
+    # The LoRA adapter (by name, as loaded) the model runs with; None: the model alone.
+    lora: str | None = None
 
     def __post_init__(self):
         # OpenAI's `stop` may be one string; None means "not given" for both lists.

@@ -19,8 +19,8 @@ from starlette.middleware.cors import CORSMiddleware
 
 from kiln.runtime.service import GenerateService, ServiceState
 
-from .http import (admin_routes, anthropic_routes, embedding_routes, generate_routes, infill_routes, openai_routes,
-                   responses_routes, tokenizer_routes, websocket_routes)
+from .http import (admin_routes, anthropic_routes, embedding_routes, generate_routes, infill_routes, lora_routes,
+                   openai_routes, responses_routes, tokenizer_routes, websocket_routes)
 from .errors import install_error_handlers
 from .logprobs import TokenText
 from .metrics import CONTENT_TYPE, Metrics
@@ -108,6 +108,7 @@ def create_app(service: GenerateService, settings: ServerSettings,
     app.include_router(anthropic_routes.router)
     app.include_router(infill_routes.router)
     app.include_router(embedding_routes.router)
+    app.include_router(lora_routes.router)
     app.include_router(generate_routes.router)
     app.include_router(websocket_routes.router)
     app.include_router(tokenizer_routes.router)

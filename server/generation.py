@@ -26,15 +26,23 @@ from .settings import ServerSettings
 
 
 def admit(service: GenerateService, settings: ServerSettings, model: str | None, n_values=(1,)) -> None:
-    """What every generation route checks first: the model's name, that the service is ready, n."""
-    check_model(settings, model)
+    """What every generation route checks first: the model's name (the model's, or a LoRA
+    adapter's), that the service is ready, n."""
+    check_model(settings, model, service)
     service.check_ready()
     check_n(settings, n_values)
 
 
-def check_model(settings: ServerSettings, model: str | None) -> None:
-    """A 404 naming what this server serves, for a model it does not (no name: its own)."""
-    if not settings.knows_model(model):
+def adapter_of(service: GenerateService, model: str | None) -> str | None:
+    """The LoRA adapter a request's `model` names; None for the model itself."""
+    loras = service.loras
+    return model if loras is not None and model in loras.adapters else None
+
+
+def check_model(settings: ServerSettings, model: str | None, service: GenerateService | None = None) -> None:
+    """A 404 naming what this server serves, for a model it does not (no name: its own); with
+    `service`, its LoRA adapters' names are models too."""
+    if not settings.knows_model(model) and (service is None or adapter_of(service, model) is None):
         known = ", ".join(map(repr, settings.served_model_names))
         raise ModelNotFoundError(f"the model {shown(model)} does not exist: this server serves {known}",
                                  param="model")
@@ -140,8 +148,10 @@ class Generation:
                     check_limits(self.settings, params)
             await self.service.compile_grammars(self.params)
             for index, (ids, params, request_id) in enumerate(zip(self.prompts, self.params, self.request_ids)):
+                # A LoRA adapter's slot, held until the request ends (submit lets go of a refused one's).
+                adapter = await self.service.hold_adapter(params.lora) if params.lora is not None else None
                 with _naming_prompt(index if many else None):
-                    self.requests.append(self.service.submit(ids, params, request_id, self.priority))
+                    self.requests.append(self.service.submit(ids, params, request_id, self.priority, adapter))
         except BaseException:
             self.abort()
             raise

@@ -104,9 +104,10 @@ def only_one(given: list[Constraint]) -> Constraint | None:
 
 
 def openai_params(body: OpenAISampling, max_tokens: int, logprobs: int | None = None,
-                  prompt_logprobs: int | None = None, model_defaults: dict | None = None) -> SamplingParams:
+                  prompt_logprobs: int | None = None, model_defaults: dict | None = None,
+                  lora: str | None = None) -> SamplingParams:
     """`model_defaults` (the service's generation_defaults) fill the sampling fields the request
-    leaves unset, before OpenAI's defaults do."""
+    leaves unset, before OpenAI's defaults do; `lora`: the adapter `body.model` names, if any."""
     return SamplingParams.from_kwargs(
         model_defaults=model_defaults,
         max_tokens=max_tokens,
@@ -131,6 +132,7 @@ def openai_params(body: OpenAISampling, max_tokens: int, logprobs: int | None = 
         logit_bias=logit_bias(body.logit_bias),
         diffusion=diffusion_params(body),
         constraint=openai_constraint(body),
+        lora=lora,
     )
 
 

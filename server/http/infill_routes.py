@@ -29,7 +29,7 @@ from kiln.runtime.sampling import SamplingParams
 
 from ..errors import error_body, failure_of
 from ..fill_in_middle import FillInMiddle
-from ..generation import Generation, admit, rest_of_context
+from ..generation import Generation, adapter_of, admit, rest_of_context
 from ..prompts import encode
 from ..protocol import InfillRequest
 from .streaming import EventStream, sse, unless_disconnected
@@ -56,7 +56,7 @@ async def infill(body: InfillRequest, request: Request):
         max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
         repetition_penalty=body.repeat_penalty, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, stop=body.stop or None, stop_token_ids=list(fim.ends),
-        seed=body.seed if body.seed is not None and body.seed >= 0 else None)
+        seed=body.seed if body.seed is not None and body.seed >= 0 else None, lora=adapter_of(service, body.model))
     generation = await Generation(service, settings, state.metrics, [prompt], [params],
                                   [f"infill-{uuid.uuid4().hex}"]).submit()
     fill = Fill(generation, body, settings.model_name, len(prompt), truncated)

@@ -38,8 +38,8 @@ OPEN_PATHS = {"/health", "/metrics"}
 RATE_LIMIT_STATE = "check_rate_limit"
 KNOWN_ROUTES = {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
                 "/v1/messages/count_tokens", "/infill", "/v1/embeddings", "/v1/score", "/score", "/rerank",
-                "/v1/rerank", "/v2/rerank", "/v1/models", "/health", "/metrics", "/ws", "/tokenize", "/detokenize",
-                "/tokenizer_info"}
+                "/v1/rerank", "/v2/rerank", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/models",
+                "/health", "/metrics", "/ws", "/tokenize", "/detokenize", "/tokenizer_info"}
 SECURITY_HEADERS = {
     "x-content-type-options": "nosniff",
     "x-frame-options": "DENY",
@@ -241,7 +241,7 @@ class JsonBodies:
 
     JSON_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
                    "/v1/messages/count_tokens", "/infill", "/tokenize", "/detokenize", "/v1/embeddings", "/v1/score",
-                   "/score", "/rerank", "/v1/rerank", "/v2/rerank")
+                   "/score", "/rerank", "/v1/rerank", "/v2/rerank", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
     def __init__(self, app: ASGIApp):
         self.app = app

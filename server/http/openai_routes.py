@@ -22,7 +22,7 @@ from kiln.runtime.service import GenerateService, ServiceState
 
 from ..errors import error_body, failure_of
 from ..fill_in_middle import FillInMiddle
-from ..generation import Choice, Generation, admit, check_model, rest_of_context
+from ..generation import Choice, Generation, adapter_of, admit, check_model, rest_of_context
 from ..logprobs import TokenText, chat_logprobs, completion_logprobs, join_completion_logprobs
 from ..params import check_logprobs, openai_params
 from ..prompts import ChatPrompt, chat_ending, chat_prompt_of, encode, prompt_forms
@@ -60,17 +60,30 @@ def model_card(state, name: str) -> dict:
             "type": "model", "display_name": name, "created_at": created_at.replace("+00:00", "Z")}
 
 
+def adapter_card(state, name: str) -> dict:
+    """A loaded LoRA adapter as vLLM lists one: its path as `root`, the model as `parent`."""
+    return model_card(state, name) | {"root": str(state.service.loras.adapters[name].path),
+                                      "parent": state.settings.model_name}
+
+
+def model_cards(state) -> list[dict]:
+    cards = [model_card(state, name) for name in state.settings.served_model_names]
+    loras = state.service.loras
+    return cards + ([adapter_card(state, name) for name in loras.adapters] if loras is not None else [])
+
+
 @router.get("/v1/models")
 async def list_models(request: Request):
-    names = request.app.state.settings.served_model_names
-    return {"object": "list", "data": [model_card(request.app.state, name) for name in names],
-            "has_more": False, "first_id": names[0], "last_id": names[-1]}
+    cards = model_cards(request.app.state)
+    return {"object": "list", "data": cards, "has_more": False, "first_id": cards[0]["id"],
+            "last_id": cards[-1]["id"]}
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request):
-    check_model(request.app.state.settings, model)  # the path always names one
-    return model_card(request.app.state, model)
+    state = request.app.state
+    check_model(state.settings, model, state.service)  # the path always names one
+    return adapter_card(state, model) if adapter_of(state.service, model) else model_card(state, model)
 
 
 # -- /v1/completions ------------------------------------------------------------------------
@@ -119,7 +132,7 @@ async def completions(body: CompletionRequest, request: Request):
     echo_only = body.echo and body.max_tokens == 0
     max_tokens = 1 if echo_only else (16 if body.max_tokens is None else body.max_tokens)
     params = openai_params(body, max_tokens, logprobs, prompt_logprobs=logprobs if body.echo else None,
-                           model_defaults=service.generation_defaults)
+                           model_defaults=service.generation_defaults, lora=adapter_of(service, body.model))
     if fim is not None:  # a fill ends at the model's own end-of-fill tokens too
         params.stop_token_ids += [token for token in fim.ends if token not in params.stop_token_ids]
     completion_id = f"cmpl-{uuid.uuid4().hex}"
@@ -265,7 +278,8 @@ async def plan_chat(service: GenerateService, settings: ServerSettings, body: Ch
     if max_tokens is None or fit_context:
         rest = rest_of_context(service, rendered.ids)
         max_tokens = rest if max_tokens is None else min(max_tokens, max(rest, 1))
-    params = openai_params(body, max_tokens, logprobs, model_defaults=service.generation_defaults)
+    params = openai_params(body, max_tokens, logprobs, model_defaults=service.generation_defaults,
+                           lora=adapter_of(service, body.model))
     forced = tools.constraint(parser) if tools is not None else None
     if forced is not None:  # tool_choice required or named: the call's grammar
         if params.constraint is not None:

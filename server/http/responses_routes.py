@@ -23,7 +23,7 @@ from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.sampling import SamplingParams
 
 from ..errors import failure_of, fields_named
-from ..generation import Choice, Generation, Usage, admit, rest_of_context
+from ..generation import Choice, Generation, Usage, adapter_of, admit, rest_of_context
 from ..logprobs import TokenText
 from ..params import format_constraint, openai_params
 from ..protocol import ChatCompletionRequest, ChatMessage, ResponsesInputMessage, ResponsesRequest, ResponsesTextFormat
@@ -50,7 +50,8 @@ async def create_response(body: ResponsesRequest, request: Request):
         rendered = await chat_prompt(service, chat, settings, tools=None)
         prompt = rendered.ids
         max_tokens = body.max_output_tokens if body.max_output_tokens is not None else rest_of_context(service, prompt)
-        params = openai_params(chat, max_tokens, model_defaults=service.generation_defaults)
+        params = openai_params(chat, max_tokens, model_defaults=service.generation_defaults,
+                               lora=adapter_of(service, body.model))
         reasoning = ReplyReasoning(reasoning_parser(settings.reasoning_parser), rendered.text)
         params.constraint = reasoning.constrain_answer(
             format_constraint(text_format.type, text_format.json_schema, "text.format"))

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from kiln.runtime.errors import InvalidRequestError, KilnError
 
 from ..errors import error_body, failure_of
-from ..generation import Choice, Generation, admit, rest_of_context
+from ..generation import Choice, Generation, adapter_of, admit, rest_of_context
 from ..params import check_logprobs, openai_params
 from ..prompts import chat_ids, encode
 from ..protocol import SocketCancel, SocketGenerate
@@ -97,7 +97,8 @@ class Session:
         if max_tokens is None:
             max_tokens = rest_of_context(service, prompt) if message.messages is not None else 16
         logprobs = check_logprobs(message.logprobs, "logprobs")
-        params = openai_params(message, max_tokens, logprobs, model_defaults=service.generation_defaults)
+        params = openai_params(message, max_tokens, logprobs, model_defaults=service.generation_defaults,
+                               lora=adapter_of(service, message.model))
         generation = Generation(service, settings, self.state.metrics, [prompt], [params],
                                 [f"ws-{uuid.uuid4().hex}"], message.priority)
         return await generation.submit(), logprobs
