@@ -37,6 +37,10 @@ def _decode_buckets(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _modules(text: str) -> tuple[str, ...]:
+    return tuple(m.strip() for m in text.split(",") if m.strip())
+
+
 def add_export_options(parser: argparse.ArgumentParser) -> None:
     defaults = ExportOptions()
     sizes = ",".join
@@ -86,6 +90,14 @@ def add_export_options(parser: argparse.ArgumentParser) -> None:
         help="also export embed_bs<N> beside each prefill size (the final hidden states), which /v1/embeddings "
              "and /v1/score pool as the model's sentence-transformers files say (default: last token, normalised)",
     )
+    parser.add_argument("--max-loras", type=int, default=defaults.lora_slots, metavar="N",
+                        help="LoRA adapter slots: every function also takes each row's slot and the slots' stacked "
+                        "weights, so up to N adapters run over the model at once (default: 0, none)")
+    parser.add_argument("--max-lora-rank", type=positive_int, default=defaults.lora_rank,
+                        help="with --max-loras: the largest adapter rank (default: %(default)s)")
+    parser.add_argument("--lora-target-modules", type=_modules, default=defaults.lora_modules, metavar="M,M",
+                        help="with --max-loras: the layers adapters may adapt (default: all of "
+                        f"{','.join(defaults.lora_modules)})")
     parser.add_argument(
         "--cpu-kernels", action="store_true",
         help="run one-token weight matmuls (float32, bf16, Q8_0/Q4_0/Q4_1 blocks) through Kiln's hand-written "
@@ -108,6 +120,9 @@ def options_from_args(args) -> ExportOptions:
         has_prefill_position=not args.no_prefill_position,
         prefill_last_functions=not args.no_prefill_last,
         embedding_functions=args.embeddings,
+        lora_slots=args.max_loras,
+        lora_rank=args.max_lora_rank,
+        lora_modules=tuple(args.lora_target_modules),
         **{name: getattr(args, name) for name in _SAME_NAMED},
     )
 

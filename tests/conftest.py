@@ -118,6 +118,14 @@ def tiny_embedding_artifacts(tiny_embedding_hf, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_lora_artifacts(tiny_hf_dir, tmp_path_factory) -> Path:
+    """The tiny model with 2 LoRA adapter slots of rank up to 8 over q, v, o and down projections."""
+    return _export_and_compile(tiny_hf_dir, tmp_path_factory.mktemp("tiny-lora-artifacts"),
+                               [*TINY_EXPORT_ARGS, "--max-loras", "2", "--max-lora-rank", "8",
+                                "--lora-target-modules", "q_proj,v_proj,o_proj,down_proj"])
+
+
+@pytest.fixture(scope="session")
 def tiny_gguf_artifacts(tiny_gguf, tmp_path_factory) -> Path:
     """The same tiny model, from its GGUF form."""
     return _export_and_compile(tiny_gguf, tmp_path_factory.mktemp("tiny-gguf-artifacts"))
