@@ -124,7 +124,7 @@ def sampling_params(given: bytes | None, settings: ServerSettings,
         elif isinstance(value, str) and kind is bool and value.lower() in ("true", "false"):
             value = value.lower() == "true"
         typed[name] = value
-    for internal in ("constraint", "diffusion"):
+    for internal in ("constraint", "diffusion", "pooling"):  # set by routes, never by a client's field
         if internal in typed:
             raise InvalidRequestError(f"unknown sampling parameters: {internal}", param=internal)
     params = SamplingParams.from_kwargs(model_defaults=model_defaults, **typed)
