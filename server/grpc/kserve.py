@@ -28,7 +28,7 @@ from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.service import GenerateService
 
 from ..errors import failure_of
-from ..generation import Generation, admit, check_limits
+from ..generation import Generation, adapter_of, admit, check_limits
 from ..metrics import Metrics
 from ..prompts import encode
 from ..settings import ServerSettings
@@ -124,7 +124,7 @@ def sampling_params(given: bytes | None, settings: ServerSettings,
         elif isinstance(value, str) and kind is bool and value.lower() in ("true", "false"):
             value = value.lower() == "true"
         typed[name] = value
-    for internal in ("constraint", "diffusion", "pooling"):  # set by routes, never by a client's field
+    for internal in ("constraint", "diffusion", "pooling", "lora"):  # set by routes, never by a client's field
         if internal in typed:
             raise InvalidRequestError(f"unknown sampling parameters: {internal}", param=internal)
     params = SamplingParams.from_kwargs(model_defaults=model_defaults, **typed)
@@ -237,6 +237,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                                       f"{settings.max_prompt_chars} characters", param="text_input")
         prompt = raw.decode("utf-8", errors="replace")
         params = sampling_params(inputs.get("sampling_parameters"), settings, service.generation_defaults)
+        params.lora = adapter_of(service, request.model_name or None)  # a LoRA adapter is a model here too
         stream = bool(inputs.get("stream"))
         ids = await encode(service, prompt, settings.max_prompt_chars, param="text_input")
         # The client's id is echoed, not used: Triton's clients may reuse one across requests.

@@ -167,6 +167,7 @@ def _deep(levels: int) -> str:
     '{"stop": 5}', '{"stop_token_ids": 7}', '{"temperature": {"a": 1}}', '{"n": [1]}', '{"seed": "x"}',
     '{"logit_bias": [1]}', '{"stop": %s}' % _deep(500), '{"stop": %s}' % _deep(5000), _deep(100_000),
     '{"best_of": 1000, "use_beam_search": true}', '{"pooling": "mean"}', '{"pooling": {"mode": "last"}}',
+    '{"lora": "sql"}',
 ])
 def test_kserve_sampling_parameters_of_the_wrong_type_or_depth_are_invalid_argument(doors, sampling):
     with pytest.raises(InferenceServerException) as error:
@@ -225,7 +226,8 @@ JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70
 SAMPLING_NAMES = ["max_tokens", "temperature", "top_k", "top_p", "min_p", "n", "stop", "stop_token_ids", "seed",
                   "ignore_eos", "logprobs", "prompt_logprobs", "min_tokens", "logit_bias", "repetition_penalty",
                   "presence_penalty", "frequency_penalty", "skip_special_tokens", "num_beams", "length_penalty",
-                  "speculative", "best_of", "use_beam_search", "guided_json", "constraint", "diffusion", "pooling"]
+                  "speculative", "best_of", "use_beam_search", "guided_json", "constraint", "diffusion", "pooling",
+                  "lora"]
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
