@@ -55,15 +55,19 @@ class LLM:
         return SamplingParams.from_kwargs(model_defaults=self.service.generation_defaults)
 
     def generate(
-        self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | None = None,
+        self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | list[SamplingParams] | None = None,
         add_special_tokens: bool = True,
     ) -> list[GenerationResult]:
-        """Generate for every prompt (text or token ids) at once; results in prompt order."""
+        """Generate for every prompt (text or token ids) at once, with `params` or one SamplingParams
+        per prompt (each may name its LoRA adapter, `lora`); results in prompt order."""
         params = params or self.default_params()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         ids = [p if isinstance(p, list) else self.service.encode(p, add_special_tokens) for p in prompts]
-        return self._call(self._generate_all(ids, params))
+        each = params if isinstance(params, list) else [params] * len(ids)
+        if len(each) != len(ids):
+            raise ValueError(f"{len(each)} SamplingParams for {len(ids)} prompts")
+        return self._call(self._generate_all(ids, each))
 
     def embed(self, prompts: list[str] | list[list[int]] | str, dimensions: int | None = None,
               add_special_tokens: bool = True) -> list[np.ndarray]:
@@ -95,8 +99,8 @@ class LLM:
                 raise item
             yield item
 
-    async def _generate_all(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[GenerationResult]:
-        async def one(ids):
+    async def _generate_all(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
+        async def one(ids, params):
             completions = [Completion() for _ in range(params.n)]
             async for event in self.service.generate(ids, params):
                 if event.error:
@@ -104,7 +108,7 @@ class LLM:
                 completions[event.index].add(event)
             return GenerationResult(ids, completions)
 
-        return list(await asyncio.gather(*(one(ids) for ids in prompt_ids)))
+        return list(await asyncio.gather(*(one(ids, p) for ids, p in zip(prompt_ids, params))))
 
     def close(self) -> None:
         """Stop the service and let go of it: its program, weights and KV cache are freed now,

@@ -548,8 +548,10 @@ class GenerateService:
         request_id: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[Event]:
-        """Submit and stream Events until all n sequences finish. Leaving early aborts."""
-        request = self.submit(prompt_ids, params, request_id, priority)
+        """Submit and stream Events until all n sequences finish (with params.lora's adapter held
+        for it). Leaving early aborts."""
+        adapter = await self.hold_adapter(params.lora) if params.lora is not None else None
+        request = self.submit(prompt_ids, params, request_id, priority, adapter)
         async for event in self.stream(request):
             yield event
 
@@ -568,6 +570,9 @@ class GenerateService:
                 adapter: AdapterHold | None) -> Request:
         self.check_ready()
         self.check_request(prompt_ids, params)
+        if (adapter.name if adapter is not None else None) != params.lora:
+            raise InvalidRequestError(f"the request names LoRA adapter {params.lora!r} but holds "
+                                      f"{adapter.name if adapter is not None else 'none'}", param="model")
         if self.batcher.scheduler.waiting_count >= self.config.max_queue:
             raise QueueFullError(f"the queue is full ({self.config.max_queue} requests waiting): retry later")
         request = Request(list(prompt_ids), params, request_id or uuid.uuid4().hex, priority=priority)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -97,9 +98,8 @@ def test_a_mixed_batch_runs_each_row_with_its_own_adapter(tiny_lora_artifacts, a
             params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
 
             async def one(name):
-                hold = await service.hold_adapter(name) if name else None
                 tokens = []
-                async for event in service.stream(service.submit(prompt, params, adapter=hold)):
+                async for event in service.generate(prompt, replace(params, lora=name)):
                     tokens += event.token_ids
                 return tokens
 
