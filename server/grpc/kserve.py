@@ -259,6 +259,6 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         return self.service.state.value == "ready"
 
     async def _known(self, name: str, context) -> None:
-        if not self.settings.knows_model(name):
+        if not self.settings.knows_model(name) and adapter_of(self.service, name) is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"the model {name!r} does not exist: this server serves "
                                 f"{', '.join(map(repr, self.settings.served_model_names))}")

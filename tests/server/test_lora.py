@@ -21,6 +21,7 @@ from safetensors.numpy import save_file
 from kiln.runtime import GenerateService, ServiceConfig
 from kiln.runtime.contract import Artifacts
 from kiln.runtime.sampling import SamplingParams
+from tests.server_process import free_port
 
 MODULES = {"q_proj": (64, 64), "v_proj": (64, 32), "o_proj": (64, 64), "down_proj": (128, 64)}
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -120,9 +121,10 @@ def test_a_mixed_batch_runs_each_row_with_its_own_adapter(tiny_lora_artifacts, a
 
 @pytest.fixture(scope="module")
 def server(start_server, tiny_lora_artifacts, adapters):
-    server = start_server("--artifacts", tiny_lora_artifacts, "--served-model-name", "tiny",
+    grpc_port = free_port()
+    server = start_server("--artifacts", tiny_lora_artifacts, "--served-model-name", "tiny", "--grpc-port", grpc_port,
                           "--lora", f"sql={adapters['sql'][0]}", f"poet={adapters['poet'][0]}")
-    server.artifacts = tiny_lora_artifacts
+    server.artifacts, server.grpc_port = tiny_lora_artifacts, grpc_port
     return server
 
 
@@ -143,6 +145,27 @@ def _detokenize(server, ids) -> str:
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(server.artifacts / "tokenizer.json")).decode(ids, skip_special_tokens=True)
+
+
+def test_kserves_model_name_picks_an_adapter(server, merged):
+    import tritonclient.grpc as triton
+
+    from tests.server.test_front_doors import kserve_inputs
+
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    client = triton.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    sampling = json.dumps({"max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}).encode()
+    for model in ("tiny", "sql"):
+        inputs = kserve_inputs(sampling, PROMPT.encode())
+        inputs.append(_exclude_input(triton))
+        answer = client.infer(model, inputs).as_numpy("text_output")[0].decode()
+        assert answer == _detokenize(server, merged(None if model == "tiny" else model, ids))
+
+
+def _exclude_input(triton):
+    tensor = triton.InferInput("exclude_input_in_output", [1], "BOOL")
+    tensor.set_data_from_numpy(np.array([True]))
+    return tensor
 
 
 def test_adapters_load_and_unload_while_serving(server, adapters, merged, tmp_path):
