@@ -142,7 +142,7 @@ def build_model(checkpoint: Checkpoint, options: ExportOptions) -> PagedLlama | 
     in_place = attention_in_place(checkpoint, options)
     module = family_named(checkpoint.config.architecture).module_class()
     model = module(checkpoint.config, block_seq_stride=options.block_seq_stride, gather_pages=gather_pages,
-                   decode_attention=cpu_attention.paged_decode_attention if in_place else None)
+                   decode_attention=cpu_attention.KERNELS[options.cache_dtype] if in_place else None)
     try:
         model.load_tensors(checkpoint.tensors, dtype=TORCH_DTYPES[options.dtype])
     except (ValueError, RuntimeError) as error:
