@@ -52,6 +52,8 @@ def kv_page_elems(layers: int, kv_heads: int, head_dim: int, block_seq_stride: i
     head_dim, then an int8 cache's scale blocks."""
     blocks = layers * 2 * kv_heads
     return (blocks + kv_scale_blocks(blocks, head_dim, kv_cache_dtype)) * head_dim * block_seq_stride
+
+
 # How an export may store its weight matmuls' weights (models/quantize.py).
 # "gguf": a GGUF's block-quantized weights, each in its own type (Q4_K beside Q6_K).
 QUANTIZATIONS = ("none", "bf16", "int8", "q8_0", "q4_0", "q4_1", "gguf")
@@ -102,6 +104,7 @@ class ModelParams:
 
     @property
     def page_bytes(self) -> int:
+        """Bytes in one page."""
         storage = kv_storage_dtype(self.paged_kv_cache.kv_cache_dtype)
         return self.page_elems * (4 if storage == "float32" else 2)
 
