@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kiln.runtime.config import DTYPES, QUANTIZE_CHOICES
+from kiln.runtime.config import DTYPES, KV_CACHE_DTYPES, QUANTIZE_CHOICES
 from kiln.runtime.lora.adapter import TARGET_MODULES as LORA_MODULES
 from kiln.runtime.errors import KilnError
 
@@ -41,8 +41,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        "build (export + compile) on first use")
     group.add_argument("--dtype", choices=DTYPES, default=DTYPES[0],
                        help="with --model or the default model: the dtype to build")
-    group.add_argument("--kv-cache-dtype", choices=DTYPES, default="",
-                       help="with --model or the default model: the KV cache's element type (default: --dtype)")
+    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="",
+                       help="with --model or the default model: the KV cache's element type (default: --dtype; "
+                       "int8: about a quarter of float32's bytes, a scale per token and head)")
     group.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=QUANTIZE_CHOICES[0],
                        help="with --model or the default model, how the weight matmuls are stored (activations "
                        "and the KV cache stay float32): none: float32; bf16; int8: 8 bits with a scale per output "

@@ -17,7 +17,9 @@ import torch
 from iree.compiler import ir
 from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection
 
+from kiln.models import kv_quant
 from kiln.models.config import LlamaConfig
+from kiln.runtime.config import KV_SCALE_BYTES
 
 from .cpu_kernels import executable_header
 from .custom_ops import KILN_LIBRARY, emit_function
@@ -30,47 +32,74 @@ MAX_HEAD_DIM = 256
 
 
 def supports(config: LlamaConfig, block_seq_stride: int, cache_dtype: str) -> bool:
-    """Whether the kernel serves this model's decode attention: a float32 cache, pages of whole
-    vectors of keys, a head of whole vectors of channels, and a query group the kernel holds."""
+    """Whether the kernel serves this model's decode attention: a float32 or int8 cache, pages of
+    whole vectors of keys, a head of whole vectors of channels, and a query group the kernel holds."""
     group = config.num_attention_heads // config.num_key_value_heads
-    return (cache_dtype == "float32" and block_seq_stride % KEYS_PER_VECTOR == 0
+    return (cache_dtype in KERNELS and block_seq_stride % KEYS_PER_VECTOR == 0
             and config.head_dim % KEYS_PER_VECTOR == 0 and config.head_dim <= MAX_HEAD_DIM
             and 1 <= group <= MAX_GROUP and not config.is_diffusion)
 
 
-def eager_decode_attention(q, key_pages, pages, visible):
+def eager_decode_attention(q, key_pages, pages, visible, value_pages=None):
     """The kernel's arithmetic in torch: q [N, H, D] (scaled) against the first visible[n] keys of
-    row n's pages (K page `pages[n, h, b]` of key_pages [X, D, stride], its V page kv_heads later),
-    softmax, times V: [N, H, D]; 0 for a row that sees no key."""
+    row n's pages (K page `pages[n, h, b]` of key_pages [X, D, stride], its V page kv_heads later
+    in value_pages [X, stride, D], by default the same buffer), softmax, times V: [N, H, D]; 0 for
+    a row that sees no key."""
     n, heads, head_dim = q.shape
     kv_heads, blocks = pages.shape[1], pages.shape[2]
     stride = key_pages.shape[2]
+    value_pages = key_pages.view(-1, stride, head_dim) if value_pages is None else value_pages
     keys_t = key_pages[pages].permute(0, 1, 3, 2, 4).reshape(n, kv_heads, head_dim, blocks * stride)
-    values = key_pages.view(-1, stride, head_dim)[pages + kv_heads].reshape(n, kv_heads, blocks * stride, head_dim)
+    values = value_pages[pages + kv_heads].reshape(n, kv_heads, blocks * stride, head_dim)
     scores = q.view(n, kv_heads, heads // kv_heads, head_dim) @ keys_t
     seen = torch.arange(blocks * stride).view(1, 1, 1, -1) < visible.view(n, 1, 1, 1)
     weights = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1).nan_to_num(0.0)
     return (weights @ values).reshape(n, heads, head_dim)
 
 
-def _decode_attention_text(name: str, rows: int, heads: int, kv_heads: int, head_dim: int, stride: int) -> str:
+def dequantized_pages(key_pages: torch.Tensor, page_blocks: int, value_blocks: int):
+    """An int8 cache's blocks (key_pages [X, D, stride], pages of `page_blocks` blocks whose first
+    `value_blocks` are K and V blocks, the rest their scales) as float32 K pages [X, D, stride] and
+    V pages [X, stride, D], every value block read both ways; a scale block's are 0."""
+    count, head_dim, stride = key_pages.shape
+    block = torch.arange(count)
+    page, local = block // page_blocks, block % page_blocks
+    rows = key_pages.reshape(-1, KV_SCALE_BYTES * stride)
+    row = (page * page_blocks + value_blocks) * (head_dim // KV_SCALE_BYTES) + local.clamp(max=value_blocks - 1)
+    scales = kv_quant.scales(rows[row].view(count, stride, KV_SCALE_BYTES)) * (local < value_blocks).view(-1, 1)
+    values = key_pages.float()
+    return values * scales.unsqueeze(1), values.view(count, stride, head_dim) * scales.unsqueeze(-1)
+
+
+def _decode_attention_text(name: str, rows: int, heads: int, kv_heads: int, head_dim: int, stride: int,
+                           int8_page: tuple[int, int] | None = None) -> str:
     """A module holding the kernel's executable and `name`, which dispatches it on q [rows, heads,
-    head_dim], the cache's K pages [?, head_dim, stride] (the whole buffer), the page table
-    [rows, kv_heads, ?] and the visible key counts [rows], for the output [rows, heads, head_dim].
-    Every size reaches the kernel as an operand, so the executables of all shapes have one body."""
-    f32, i64 = "memref<?xf32>", "memref<?xi64>"
+    head_dim], the cache's K pages [?, head_dim, stride] (the whole buffer: float32, or int8 whose
+    pages hold `int8_page` = (blocks a page, of them value blocks)), the page table [rows,
+    kv_heads, ?] and the visible key counts [rows], for the output [rows, heads, head_dim]. Every
+    size reaches the kernel as an operand, so the executables of all shapes have one body."""
+    element = "f32" if int8_page is None else "i8"
+    f32, i64, cache_memref = "memref<?xf32>", "memref<?xi64>", f"memref<?x{element}>"
     q_elems = rows * heads * head_dim
-    pages_type, table_type = f"tensor<?x{head_dim}x{stride}xf32>", f"tensor<{rows}x{kv_heads}x?xi64>"
+    pages_type, table_type = f"tensor<?x{head_dim}x{stride}x{element}>", f"tensor<{rows}x{kv_heads}x?xi64>"
     q_type = f"tensor<{rows}x{heads}x{head_dim}xf32>"
+    kernel = "kiln_paged_decode_attention" + ("" if int8_page is None else "_i8")
+    # The int8 kernel's page shape: two more operands, before the workgroup.
+    extra = [] if int8_page is None else ["%page_blocks", "%value_blocks"]
+    extra_params = "".join(f", {e}: index" for e in extra)
+    extra_args = "".join(f", {e}" for e in extra)
+    extra_types = ", index" * len(extra)
+    extra_constants = "".join(f"\n  {e} = arith.constant {v} : index" for e, v in zip(extra, int8_page or ()))
     return f"""module {{
 {executable_header(name, "paged_decode_attention", per_workgroup=1)}
   builtin.module {{
-    func.func private @kiln_paged_decode_attention({f32}, {f32}, {i64}, {i64}, {f32}, index, index, index, index,
-                                                    index, index) attributes {{hal.import.static}}
+    func.func private @{kernel}({f32}, {cache_memref}, {i64}, {i64}, {f32}, index, index, index, index,
+                                index{extra_types}, index) attributes {{hal.import.static}}
     func.func @paged_decode_attention(%q_binding: !stream.binding, %cache_binding: !stream.binding,
                                       %pages_binding: !stream.binding, %visible_binding: !stream.binding,
                                       %out_binding: !stream.binding, %rows: index, %heads: index, %kv_heads: index,
-                                      %head_dim: index, %stride: index, %blocks: index, %cache_size: index) {{
+                                      %head_dim: index, %stride: index, %blocks: index{extra_params},
+                                      %cache_size: index) {{
       %c0 = arith.constant 0 : index
       %workgroup = stream.dispatch.workgroup.id[0] : index
       %rows_heads = arith.muli %rows, %heads : index
@@ -78,13 +107,13 @@ def _decode_attention_text(name: str, rows: int, heads: int, kv_heads: int, head
       %table_rows = arith.muli %rows, %kv_heads : index
       %table_size = arith.muli %table_rows, %blocks : index
       %q = stream.binding.subspan %q_binding[%c0] : !stream.binding -> {f32}{{%q_size}}
-      %cache = stream.binding.subspan %cache_binding[%c0] : !stream.binding -> {f32}{{%cache_size}}
+      %cache = stream.binding.subspan %cache_binding[%c0] : !stream.binding -> {cache_memref}{{%cache_size}}
       %pages = stream.binding.subspan %pages_binding[%c0] : !stream.binding -> {i64}{{%table_size}}
       %visible = stream.binding.subspan %visible_binding[%c0] : !stream.binding -> {i64}{{%rows}}
       %out = stream.binding.subspan %out_binding[%c0] : !stream.binding -> {f32}{{%q_size}}
-      func.call @kiln_paged_decode_attention(%q, %cache, %pages, %visible, %out, %heads, %kv_heads, %head_dim,
-                                             %stride, %blocks, %workgroup)
-          : ({f32}, {f32}, {i64}, {i64}, {f32}, index, index, index, index, index, index) -> ()
+      func.call @{kernel}(%q, %cache, %pages, %visible, %out, %heads, %kv_heads, %head_dim, %stride, %blocks
+                          {extra_args}, %workgroup)
+          : ({f32}, {cache_memref}, {i64}, {i64}, {f32}, index, index, index, index, index{extra_types}, index) -> ()
       return
     }}
   }}
@@ -97,7 +126,7 @@ util.func private @{name}(%q: {q_type}, %key_pages: {pages_type}, %pages: {table
   %heads = arith.constant {heads} : index
   %kv_heads = arith.constant {kv_heads} : index
   %head_dim = arith.constant {head_dim} : index
-  %stride = arith.constant {stride} : index
+  %stride = arith.constant {stride} : index{extra_constants}
   %workgroups = arith.constant {rows * kv_heads} : index
   %page_count = tensor.dim %key_pages, %c0 : {pages_type}
   %blocks = tensor.dim %pages, %c2 : {table_type}
@@ -105,12 +134,12 @@ util.func private @{name}(%q: {q_type}, %key_pages: {pages_type}, %pages: {table
   %cache_size = arith.muli %page_count, %page_elems : index
   %table_size = arith.muli %blocks, %workgroups : index
   %q_flat = tensor.collapse_shape %q [[0, 1, 2]] : {q_type} into tensor<{q_elems}xf32>
-  %cache = tensor.collapse_shape %key_pages [[0, 1, 2]] : {pages_type} into tensor<?xf32>
+  %cache = tensor.collapse_shape %key_pages [[0, 1, 2]] : {pages_type} into tensor<?x{element}>
   %table = tensor.collapse_shape %pages [[0, 1, 2]] : {table_type} into tensor<?xi64>
   %out_flat = flow.dispatch @{name}_executable::@paged_decode_attention[%workgroups](%q_flat, %cache, %table,
-      %visible, %rows, %heads, %kv_heads, %head_dim, %stride, %blocks, %cache_size)
-      : (tensor<{q_elems}xf32>, tensor<?xf32>{{%cache_size}}, tensor<?xi64>{{%table_size}}, tensor<{rows}xi64>,
-         index, index, index, index, index, index, index) -> tensor<{q_elems}xf32>
+      %visible, %rows, %heads, %kv_heads, %head_dim, %stride, %blocks{extra_args}, %cache_size)
+      : (tensor<{q_elems}xf32>, tensor<?x{element}>{{%cache_size}}, tensor<?xi64>{{%table_size}}, tensor<{rows}xi64>,
+         index, index, index, index, index, index{extra_types}, index) -> tensor<{q_elems}xf32>
   %out = tensor.expand_shape %out_flat [[0, 1, 2]] output_shape [{rows}, {heads}, {head_dim}]
       : tensor<{q_elems}xf32> into {q_type}
   util.return %out : {q_type}
@@ -147,3 +176,44 @@ class paged_decode_attention(CustomOp):
         kv_heads = ir.RankedTensorType(kb.arg_bindings[2].type).shape[1]
         name = f"kiln_paged_decode_attention_{rows}x{heads}x{kv_heads}x{head_dim}x{stride}"
         emit_function(kb, name, _decode_attention_text(name, rows, heads, kv_heads, head_dim, stride))
+
+
+@CustomOp.register(library=KILN_LIBRARY)
+class paged_decode_attention_int8(CustomOp):
+    """paged_decode_attention over an int8 cache: key_pages [X, D, stride] int8, its pages of
+    `page_blocks` blocks each keeping their first `value_blocks`' scales in the rest
+    (models/llama.py's CachePages)."""
+
+    signature = ("paged_decode_attention_int8(Tensor q, Tensor key_pages, Tensor pages, Tensor visible, "
+                 "int page_blocks, int value_blocks) -> Tensor")
+
+    def select(self, ksel: KernelSelection):
+        q, key_pages, pages, visible = (ksel.arg_tensor(i) for i in range(4))
+        ksel.attr_int(4)
+        ksel.attr_int(5)
+        torch._check(q.t.dtype == torch.float32 and key_pages.t.dtype == torch.int8 and q.t.dim() == 3
+                     and key_pages.t.dim() == 3,
+                     lambda: "paged_decode_attention_int8: float32 q [N, H, D] and int8 key pages [X, D, stride]")
+        torch._check(pages.t.dtype == visible.t.dtype == torch.int64 and pages.t.dim() == 3 and visible.t.dim() == 1,
+                     lambda: "paged_decode_attention_int8: int64 pages [N, Hkv, B] and visible [N]")
+        q.specialize_dims(0, 1, 2)
+        key_pages.specialize_dims(1, 2)
+        pages.specialize_dims(0, 1)
+        visible.specialize_dims(0)
+        ksel.return_new_tensor(list(q.t.shape), torch.float32).specialize_dims(0, 1, 2)
+
+    def eager_execute(self, q, key_pages, pages, visible, page_blocks, value_blocks):
+        keys, values = dequantized_pages(key_pages, page_blocks, value_blocks)
+        return eager_decode_attention(q, keys, pages, visible, values)
+
+    def generate(self, ksel: KernelSelection, kb: KernelBuilder):
+        rows, heads, head_dim = ir.RankedTensorType(kb.arg_bindings[0].type).shape
+        stride = ir.RankedTensorType(kb.arg_bindings[1].type).shape[2]
+        kv_heads = ir.RankedTensorType(kb.arg_bindings[2].type).shape[1]
+        page = (ksel.arg_descs[4].v, ksel.arg_descs[5].v)
+        name = f"kiln_paged_decode_attention_i8_{rows}x{heads}x{kv_heads}x{head_dim}x{stride}_{page[0]}x{page[1]}"
+        emit_function(kb, name, _decode_attention_text(name, rows, heads, kv_heads, head_dim, stride, page))
+
+
+# The kernel op for each cache element type it reads.
+KERNELS = {"float32": paged_decode_attention, "int8": paged_decode_attention_int8}

@@ -545,21 +545,39 @@ static inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+/* The int8 cache's form (models/kv_quant.py, models/llama.py's CachePages): its blocks are int8,
+ * K^T or V as above, and a page of `page_blocks` blocks ends in scale blocks after its first
+ * `value_blocks`: value block i's scales, one bfloat16 per key, are the i-th run of 2 * stride
+ * bytes there. A chunk's scores take its keys' scales after the int8 dot products; the value
+ * weights take the values' scales before the sum. A quarter of float32's bytes are read, each
+ * widened to float32 as it is loaded. */
 __attribute__((target("avx512f")))
-void kiln_paged_decode_attention(MEMREF_F32(q), MEMREF_F32(cache), MEMREF_I64(pages), MEMREF_I64(visible),
-                                 float *out_allocated, float *restrict out, size_t out_offset, size_t out_size,
-                                 size_t out_stride, size_t heads, size_t kv_heads, size_t head_dim, size_t stride,
-                                 size_t blocks, size_t workgroup) {
-  (void)q_allocated; (void)q_size; (void)q_stride; (void)cache_allocated; (void)cache_stride;
-  (void)pages_allocated; (void)pages_size; (void)pages_stride; (void)visible_allocated; (void)visible_size;
-  (void)visible_stride; (void)out_allocated; (void)out_size; (void)out_stride;
-  q += q_offset;
-  cache += cache_offset;
-  pages += pages_offset;
-  visible += visible_offset;
-  out += out_offset;
+static inline __m512 load_i8_ps(const int8_t *p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* 16 bfloat16 bit patterns, widened to float32 by moving them to the high half. */
+__attribute__((target("avx512f")))
+static inline __m512 load_bf16_scales(const int8_t *p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* 16 values of a block at element `at`: float32, or int8 widened. */
+__attribute__((target("avx512f"), always_inline))
+static inline __m512 load_keys(const void *block, size_t at, int quantized) {
+  return quantized ? load_i8_ps((const int8_t *)block + at) : _mm512_loadu_ps((const float *)block + at);
+}
+
+/* One workgroup's (row, K/V head) of either cache: `quantized` is a constant at each call, so
+ * each entry point below compiles its own loop. */
+__attribute__((target("avx512f"), always_inline))
+static inline void paged_decode_attention(const float *q, const void *cache, size_t cache_size, const int64_t *pages,
+                                          const int64_t *visible, float *out, size_t heads, size_t kv_heads,
+                                          size_t head_dim, size_t stride, size_t blocks, size_t workgroup,
+                                          int quantized, size_t page_blocks, size_t value_blocks) {
   size_t row = workgroup / kv_heads, kv_head = workgroup % kv_heads;
-  size_t group = heads / kv_heads, vectors = head_dim / 16, page_elems = head_dim * stride;
+  size_t group = heads / kv_heads, vectors = head_dim / 16, block = head_dim * stride;
+  size_t element = quantized ? 1 : sizeof(float);
   const float *qs = q + (row * heads + kv_head * group) * head_dim;
   float *outs = out + (row * heads + kv_head * group) * head_dim;
   const int64_t *table = pages + (row * kv_heads + kv_head) * blocks;
@@ -576,21 +594,31 @@ void kiln_paged_decode_attention(MEMREF_F32(q), MEMREF_F32(cache), MEMREF_I64(pa
   for (size_t key0 = 0; key0 < keys; key0 += ATTENTION_KEYS) {
     int64_t page = table[key0 / stride];
     size_t slot = key0 % stride;
-    if (page < 0 || ((size_t)page + kv_heads + 1) * page_elems > cache_size) continue;
-    const float *k_t = cache + (size_t)page * page_elems + slot;
-    const float *v = cache + ((size_t)page + kv_heads) * page_elems + slot * head_dim;
+    if (page < 0 || ((size_t)page + kv_heads + 1) * block > cache_size) continue;
+    /* Scales sit in their page's scale blocks; a block that is not a value block has none. */
+    size_t page_start = quantized ? (size_t)page / page_blocks * page_blocks : 0;
+    if (quantized && (size_t)page - page_start + kv_heads >= value_blocks) continue;
+    const char *k_block = (const char *)cache + (size_t)page * block * element;
+    const char *v_block = (const char *)cache + ((size_t)page + kv_heads) * block * element;
     size_t live_keys = keys - key0 < ATTENTION_KEYS ? keys - key0 : ATTENTION_KEYS;
     __mmask16 live = (__mmask16)((1u << live_keys) - 1u);
 
     __m512 scores[ATTENTION_MAX_GROUP];
     for (size_t g = 0; g < group; ++g) scores[g] = _mm512_setzero_ps();
     for (size_t d = 0; d < head_dim; ++d) {
-      __m512 channel = _mm512_loadu_ps(k_t + d * stride);
+      __m512 channel = load_keys(k_block, d * stride + slot, quantized);
       for (size_t g = 0; g < group; ++g)
         scores[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * head_dim + d]), channel, scores[g]);
     }
+    __m512 k_scales = _mm512_set1_ps(1.f), v_scales = _mm512_set1_ps(1.f);
+    if (quantized) {
+      const int8_t *scales = (const int8_t *)cache + (page_start + value_blocks) * block;
+      k_scales = load_bf16_scales(scales + ((size_t)page - page_start) * 2 * stride + 2 * slot);
+      v_scales = load_bf16_scales(scales + ((size_t)page - page_start + kv_heads) * 2 * stride + 2 * slot);
+    }
     float weights[ATTENTION_MAX_GROUP][ATTENTION_KEYS];
     for (size_t g = 0; g < group; ++g) {
+      if (quantized) scores[g] = _mm512_mul_ps(scores[g], k_scales);
       float chunk_top = _mm512_mask_reduce_max_ps(live, scores[g]);
       float new_top = chunk_top > top[g] ? chunk_top : top[g];
       __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(scores[g], _mm512_set1_ps(new_top))));
@@ -600,12 +628,12 @@ void kiln_paged_decode_attention(MEMREF_F32(q), MEMREF_F32(cache), MEMREF_I64(pa
       total[g] = total[g] * rescale + _mm512_reduce_add_ps(p);
       __m512 rescales = _mm512_set1_ps(rescale);
       for (size_t c = 0; c < vectors; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], rescales);
-      _mm512_storeu_ps(weights[g], p);
+      _mm512_storeu_ps(weights[g], quantized ? _mm512_mul_ps(p, v_scales) : p);
     }
     for (size_t j = 0; j < live_keys; ++j) {
-      const float *v_row = v + j * head_dim;
+      size_t v_row = (slot + j) * head_dim;
       for (size_t c = 0; c < vectors; ++c) {
-        __m512 value = _mm512_loadu_ps(v_row + c * 16);
+        __m512 value = load_keys(v_block, v_row + c * 16, quantized);
         for (size_t g = 0; g < group; ++g)
           acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(weights[g][j]), value, acc[g][c]);
       }
@@ -615,4 +643,33 @@ void kiln_paged_decode_attention(MEMREF_F32(q), MEMREF_F32(cache), MEMREF_I64(pa
     __m512 inverse = _mm512_set1_ps(total[g] > 0.f ? 1.f / total[g] : 0.f);
     for (size_t c = 0; c < vectors; ++c) _mm512_storeu_ps(outs + g * head_dim + c * 16, _mm512_mul_ps(acc[g][c], inverse));
   }
+}
+
+#define ATTENTION_OPERANDS_AT_OFFSETS()                                                                   \
+  do {                                                                                                   \
+    (void)q_allocated; (void)q_size; (void)q_stride; (void)cache_allocated; (void)cache_stride;          \
+    (void)pages_allocated; (void)pages_size; (void)pages_stride; (void)visible_allocated;                \
+    (void)visible_size; (void)visible_stride; (void)out_allocated; (void)out_size; (void)out_stride;     \
+  } while (0)
+
+__attribute__((target("avx512f")))
+void kiln_paged_decode_attention(MEMREF_F32(q), MEMREF_F32(cache), MEMREF_I64(pages), MEMREF_I64(visible),
+                                 float *out_allocated, float *restrict out, size_t out_offset, size_t out_size,
+                                 size_t out_stride, size_t heads, size_t kv_heads, size_t head_dim, size_t stride,
+                                 size_t blocks, size_t workgroup) {
+  ATTENTION_OPERANDS_AT_OFFSETS();
+  paged_decode_attention(q + q_offset, cache + cache_offset, cache_size, pages + pages_offset,
+                         visible + visible_offset, out + out_offset, heads, kv_heads, head_dim, stride, blocks,
+                         workgroup, 0, 0, 0);
+}
+
+__attribute__((target("avx512f")))
+void kiln_paged_decode_attention_i8(MEMREF_F32(q), MEMREF_I8(cache), MEMREF_I64(pages), MEMREF_I64(visible),
+                                    float *out_allocated, float *restrict out, size_t out_offset, size_t out_size,
+                                    size_t out_stride, size_t heads, size_t kv_heads, size_t head_dim, size_t stride,
+                                    size_t blocks, size_t page_blocks, size_t value_blocks, size_t workgroup) {
+  ATTENTION_OPERANDS_AT_OFFSETS();
+  paged_decode_attention(q + q_offset, cache + cache_offset, cache_size, pages + pages_offset,
+                         visible + visible_offset, out + out_offset, heads, kv_heads, head_dim, stride, blocks,
+                         workgroup, 1, page_blocks, value_blocks);
 }

@@ -45,6 +45,7 @@ def type_ident(*types: ir.Type) -> str:
 
 
 def emit_function(kb: KernelBuilder, name: str, text: str) -> None:
-    """Inline the MLIR module `text`, call its function `name` on the op's arguments and yield its results."""
+    """Inline the MLIR module `text`, call its function `name` on the op's tensor arguments (an
+    attribute argument, already spelled into the text, has no value) and yield its results."""
     function = _templates.inline_template_function(kb, text, name)
-    kb.yield_results(*impl_helper.call_function(function, *kb.arg_bindings))
+    kb.yield_results(*impl_helper.call_function(function, *(b for b in kb.arg_bindings if b is not None)))

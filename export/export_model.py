@@ -26,7 +26,8 @@ from kiln.models.lora import attach_lora, lora_shapes
 from kiln.models.quantize import FLOAT32, quantize_model
 from kiln.models.registry import family_named
 from kiln.models.sharded_llama import ShardedPagedLlama
-from kiln.runtime.config import KilnParams, ModelParams, PagedKVCacheParams, save_model_config, sidecar_path
+from kiln.runtime.config import (KV_SCALE_BYTES, KilnParams, ModelParams, PagedKVCacheParams, save_model_config,
+                                 sidecar_path)
 from kiln.runtime.contract import (
     CONFIG_FILE, DIFFUSION, MLIR_FILE, PARAMETER_SCOPE, PARAMETERS_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
 )
@@ -142,7 +143,7 @@ def build_model(checkpoint: Checkpoint, options: ExportOptions) -> PagedLlama | 
     in_place = attention_in_place(checkpoint, options)
     module = family_named(checkpoint.config.architecture).module_class()
     model = module(checkpoint.config, block_seq_stride=options.block_seq_stride, gather_pages=gather_pages,
-                   decode_attention=cpu_attention.paged_decode_attention if in_place else None)
+                   decode_attention=cpu_attention.KERNELS[options.cache_dtype] if in_place else None)
     try:
         model.load_tensors(checkpoint.tensors, dtype=TORCH_DTYPES[options.dtype])
     except (ValueError, RuntimeError) as error:
@@ -173,6 +174,9 @@ def export_model(checkpoint: Checkpoint, options: ExportOptions, output_dir: Pat
     if options.lora_slots and c.num_experts and {"gate_proj", "up_proj", "down_proj"} & set(options.lora_modules):
         raise ExportError("LoRA adapters on a mixture-of-experts model adapt its attention only: pass --lora-modules "
                           "from q_proj, k_proj, v_proj, o_proj")
+    if options.cache_dtype == "int8" and c.head_dim % KV_SCALE_BYTES:
+        raise ExportError(f"--kv-cache-dtype int8 keeps a page's scales in rows of half a head: it needs an even "
+                          f"head_dim, the model's is {c.head_dim}")
     if options.embedding_functions and checkpoint.embedding.unsupported:
         raise ExportError(f"--embeddings: this model's embeddings cannot be served as it defines them: "
                           f"{checkpoint.embedding.unsupported}")

@@ -10,6 +10,7 @@ chooses. Beside each decode_bs<N>, one decode per context bucket with every shap
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -19,11 +20,12 @@ from torch.export import Dim
 from kiln.models.llama import MASKED_SCORE, PagedLlama
 from kiln.models.lora import stacked_lora_examples
 from kiln.models.sharded_llama import ShardedPagedLlama
+from kiln.runtime.config import kv_storage_dtype
 from kiln.runtime.contract import FunctionKind, argument_names, fixed_decode_name, function_name
 
 from .options import ExportOptions
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
 
 
 def select_logits(model: PagedLlama, options: ExportOptions, h, start_pos, seq_lens, final_only=None):
@@ -172,6 +174,22 @@ def dynamic_examples(kind: FunctionKind, bs: int, options: ExportOptions) -> dic
     }
 
 
+def as_cache_dtype(cache, dtype: torch.dtype):
+    """The cache (each device's buffer of a list) viewed as `dtype`: into or out of its storage type."""
+    return [part.view(dtype) for part in cache] if isinstance(cache, list) else cache.view(dtype)
+
+
+def reading_cache_as(body, dtype: torch.dtype):
+    """`body` taking its last argument, the cache, in its storage type and viewing it as `dtype`
+    (runtime/config.py's KV_STORAGE_DTYPES); the traced signature stays body's."""
+
+    @functools.wraps(body)
+    def viewed(model, *args):
+        return body(model, *args[:-1], as_cache_dtype(args[-1], dtype))
+
+    return viewed
+
+
 def trace_function(fxb: aot.FxProgramsBuilder, body, name: str, names: tuple[str, ...], examples: dict, log) -> None:
     """Trace `body` as the module's function `name`, its arguments `names` given by `examples`
     (each a tensor, or the cache's list of them, with its dynamic dimensions)."""
@@ -191,6 +209,7 @@ def trace_module(model: PagedLlama | ShardedPagedLlama, options: ExportOptions, 
     """Export every function the contract lists for these options into one module."""
     stride = options.block_seq_stride
     cache_dtype = TORCH_DTYPES[options.cache_dtype]
+    storage = TORCH_DTYPES[kv_storage_dtype(options.cache_dtype)]
     example_pages = max(options.device_block_count, 4)
     fxb = aot.FxProgramsBuilder(model)
     lora = bool(options.lora_slots)
@@ -216,12 +235,14 @@ def trace_module(model: PagedLlama | ShardedPagedLlama, options: ExportOptions, 
         if lora:
             bodies = with_lora(bodies, options.has_prefill_position)
         body = bodies[traced_kind]
+        if storage != cache_dtype:
+            body = reading_cache_as(body, cache_dtype)
         names = argument_names(traced_kind, options.has_prefill_position, lora)
         sizes = {FunctionKind.DECODE: options.decode_batch_sizes, FunctionKind.DENOISE: options.denoise_batch_sizes,
                  FunctionKind.DENOISE_TOP: options.denoise_batch_sizes}.get(kind, options.prefill_batch_sizes)
         for bs in sizes:
             pages = Dim("pages", min=2)
-            cache = model.allocate_cache(example_pages, cache_dtype)
+            cache = as_cache_dtype(model.allocate_cache(example_pages, cache_dtype), storage)
             examples = dynamic_examples(kind, bs, options) | lora_examples
             examples["cache"] = (cache, [{0: pages}] * len(cache) if isinstance(cache, list) else {0: pages})
             if lora:
@@ -230,7 +251,7 @@ def trace_module(model: PagedLlama | ShardedPagedLlama, options: ExportOptions, 
             if kind is not FunctionKind.DECODE:
                 continue
             for context in options.decode_buckets or ():
-                cache = model.allocate_cache(options.device_block_count, cache_dtype)
+                cache = as_cache_dtype(model.allocate_cache(options.device_block_count, cache_dtype), storage)
                 examples = {name: (tensor, {}) for name, (tensor, _) in dynamic_examples(kind, bs, options).items()}
                 examples |= lora_examples
                 if lora:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kiln.models.gguf_blocks import BLOCK_TYPES
-from kiln.runtime.config import DTYPES, QUANTIZE_CHOICES
+from kiln.runtime.config import DTYPES, KV_CACHE_DTYPES, QUANTIZE_CHOICES
 from kiln.runtime.device_layout import DeviceLayout
 from kiln.runtime.errors import ExportError
 
@@ -31,6 +31,7 @@ class ExportOptions:
     # The KV cache's element type ("": the model's dtype). float16 under a float32 model
     # halves the cache's bytes, so twice the tokens fit (llama.cpp's default). Not faster
     # on IREE 3.13's CPU code: the page gather converts per element (benchmarks/NOTES.md).
+    # "int8" stores a quarter of float32's bytes and a scale per token and head (models/kv_quant.py).
     kv_cache_dtype: str = ""
     # How the weight matmuls store their weights (models/quantize.py): "none" (as dtype),
     # "bf16", "int8" with a scale per output row, "q8_0"/"q4_0"/"q4_1" blocks (a GGUF's own
@@ -99,8 +100,9 @@ class ExportOptions:
             )
         if self.dtype not in DTYPES:
             raise ExportError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.kv_cache_dtype and self.kv_cache_dtype not in DTYPES:
-            raise ExportError(f"kv_cache_dtype must be one of {', '.join(DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ExportError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
         if self.quantize not in QUANTIZE_CHOICES:
             raise ExportError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {self.quantize!r}")
         quantize = self.quantize

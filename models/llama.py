@@ -11,8 +11,9 @@ sliding-window layers with their own rotary base (Gemma 2, 3).
 
 Cache layout (the export/runtime contract, docs/abi.md): `cache[pages, page_elems]`,
 each page `[layers, 2 (k, v), kv_heads, block_seq_stride * head_dim]`: a K block is stored
-transposed, `[head_dim, block_seq_stride]`, a V block as `[block_seq_stride, head_dim]`
-(see forward_paged for why). Only the model reads inside a page; the runtime counts pages.
+transposed, `[head_dim, block_seq_stride]`, a V block as `[block_seq_stride, head_dim]` (see
+CachePages for why). An int8 cache's page then holds each block's scales, a token's in two bytes
+(models/kv_quant.py), in whole blocks. Only the model reads inside a page; the runtime counts pages.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.runtime.config import KV_SCALE_BYTES, kv_page_elems, kv_scale_blocks
+
+from . import kv_quant
 from .config import SLIDING, LlamaConfig
 from .quantize import QuantizedEmbedding, stacked_linear
 from .rope import llama3_divisors
@@ -153,12 +157,13 @@ class Attention(nn.Module):
         n, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(n, t, self.n_heads * self.head_dim))
 
-    def attend_paged(self, q, keys_t, values, bias, block):
+    def attend_paged(self, q, keys_t, values, bias, block, scales=None):
         """Attention over cached pages, written as matmuls and a blocked softmax.
 
         q [N,H,T,D]; keys_t [N,Hkv,D,S] (transposed); values [N,Hkv,S,D]; bias
         [N,1,T,S] (0 where a query may look, a large negative number elsewhere);
-        S is a multiple of `block`. Why not SDPA: IREE lowers it to a fused attention
+        S is a multiple of `block`; `scales`, an int8 cache's: each key's K and V scales
+        ([N,Hkv,1,S] each), applied to the scores and to the weights. Why not SDPA: IREE lowers it to a fused attention
         op whose llvm-cpu code is ~10x slower than this at 512 tokens, and a softmax
         over one dynamic axis does not vectorize; viewed as [..., S/block, block], the
         static inner axis does. The query heads of a K/V group are stacked into one
@@ -179,7 +184,10 @@ class Attention(nn.Module):
             q, bias = torch.cat((q, q), dim=2), torch.cat((bias, bias), dim=2)
         rows = q.shape[2]
         q = q.float().reshape(n, kv_heads, group * rows, d)
-        scores = soft_cap(torch.matmul(q, keys_t.float()) * self.scale, self.softcap)
+        scores = torch.matmul(q, keys_t.float())
+        if scales is not None:
+            scores = scores * scales[0]
+        scores = soft_cap(scores * self.scale, self.softcap)
         scores = scores.view(n, kv_heads, group, rows, s) + bias.view(n, 1, 1, rows, s)
         blocks = scores.view(n, kv_heads, group, rows, s // block, block)
         weights = torch.exp(blocks - blocks.amax(dim=(-2, -1), keepdim=True))
@@ -187,12 +195,17 @@ class Attention(nn.Module):
             # Decode normalizes after the product: before it, IREE fuses the division into
             # the matmul and emits a zero-sized `affine.delinearize_index` at T = 1.
             total = weights.sum(dim=(-2, -1)).view(n, kv_heads, group * rows, 1)
-            out = torch.matmul(weights.view(n, kv_heads, group * rows, s), values.float()) / total
+            weights = weights.view(n, kv_heads, group * rows, s)
+            if scales is not None:
+                weights = weights * scales[1]
+            out = torch.matmul(weights, values.float()) / total
         else:
             # Prefill normalizes first: after the product, IREE fuses the division into the
             # output projection's data-tiled packing and needs a dynamic stack allocation.
-            weights = weights / weights.sum(dim=(-2, -1), keepdim=True)
-            out = torch.matmul(weights.view(n, kv_heads, group * rows, s), values.float())
+            weights = (weights / weights.sum(dim=(-2, -1), keepdim=True)).view(n, kv_heads, group * rows, s)
+            if scales is not None:
+                weights = weights * scales[1]
+            out = torch.matmul(weights, values.float())
         out = out.view(n, kv_heads, group, rows, d)[:, :, :, :t]
         out = out.permute(0, 3, 1, 2, 4).reshape(n, t, heads * d)
         return self.o_proj(out.to(dtype))
@@ -318,6 +331,11 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+def cache_dtype_name(dtype: torch.dtype) -> str:
+    """The contract's name of a cache element type (runtime/config.py's KV_CACHE_DTYPES)."""
+    return str(dtype).removeprefix("torch.")
+
+
 def index_pages(pages: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """`pages[index]`: whole pages by index. The export replaces it with IREE's own gather
     (export/page_gather.py), which compiles to a far faster page copy."""
@@ -353,13 +371,13 @@ class PagedLlama(nn.Module):
         self.rotary_factor = rope_attention_factor(config)
 
     # -- sizes -------------------------------------------------------------------------
-    @property
-    def page_elems(self) -> int:
+    def page_elems(self, dtype=torch.float32) -> int:
         c = self.config
-        return c.num_hidden_layers * 2 * c.num_key_value_heads * self.block_seq_stride * c.head_dim
+        return kv_page_elems(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.block_seq_stride,
+                             cache_dtype_name(dtype))
 
     def allocate_cache(self, pages: int, dtype=torch.float32) -> torch.Tensor:
-        return torch.zeros(pages, self.page_elems, dtype=dtype)
+        return torch.zeros(pages, self.page_elems(dtype), dtype=dtype)
 
     # -- weights -----------------------------------------------------------------------
     def load_tensors(self, tensors: dict, dtype=torch.float32):
@@ -513,42 +531,96 @@ class CachePages:
     module docstring gives. One device's share of a multi-device export is the same layout over
     its own layers and heads.
 
-    One head's page of a layer holds K transposed, [D, stride], and V as [stride, D]. Pages are
-    gathered whole. K^T pages laid side by side are the data-tiled layout of the scores matmul's
-    right operand on llvm-cpu (16 keys per tile), so that gather is a plain page copy; stored as
-    [stride, D], each page was transposed element by element on the way.
+    One head's block of a layer holds K transposed, [D, stride], and V as [stride, D]. Blocks are
+    gathered whole. K^T blocks laid side by side are the data-tiled layout of the scores matmul's
+    right operand on llvm-cpu (16 keys per tile), so that gather is a plain copy; stored as
+    [stride, D], each block was transposed element by element on the way.
+
+    An int8 cache's page ends in scale blocks: the scales of its value block i, 2 bytes a token,
+    are row i of them viewed [?, 2 * stride]. Kept apart from the values so both are gathered
+    whole: values sliced out of a gathered block fused into the attention matmul's producer, which
+    IREE 3.13's llvm-cpu code generation rejects ("no basis element may be statically
+    non-positive"). The scales apply to the scores and to the softmax weights, per key.
     """
 
     def __init__(self, cache: torch.Tensor, layers: int, kv_heads: int, head_dim: int, stride: int):
         self.layers, self.kv_heads, self.head_dim, self.stride = layers, kv_heads, head_dim, stride
+        self.quantized = cache.dtype == torch.int8
         self.flat = cache.view(-1)
-        self.value_rows = cache.view(-1, head_dim)
         self.key_pages = cache.view(-1, head_dim, stride)
         self.value_pages = cache.view(-1, stride, head_dim)
+        self.value_blocks = layers * 2 * kv_heads
+        # Blocks of head_dim x stride elements per page, scale blocks included.
+        self.page_blocks = self.value_blocks + kv_scale_blocks(self.value_blocks, head_dim, cache_dtype_name(cache.dtype))
         self.head = torch.arange(kv_heads).view(1, kv_heads, 1)
         self.key_dim_offset = (torch.arange(head_dim) * stride).view(1, 1, 1, head_dim)
+        if self.quantized:
+            self.scale_rows = cache.view(-1, KV_SCALE_BYTES * stride)
+            self.value_dim_offset = torch.arange(head_dim).view(1, 1, 1, head_dim)
+            self.scale_byte = torch.arange(KV_SCALE_BYTES).view(1, 1, 1, KV_SCALE_BYTES)
+
+    def block_of(self, page, layer: int):
+        """The K block of each head of `layer` on pages `page` [N, ...] -> [N, Hkv, ...] (its V block
+        is kv_heads blocks later)."""
+        return (page * self.page_blocks + layer * 2 * self.kv_heads).unsqueeze(1) + self.head
+
+    def scale_row_of(self, block):
+        """The row of scale_rows holding the scales of `block`."""
+        page = torch.div(block, self.page_blocks, rounding_mode="floor")
+        rows_per_block = self.head_dim // KV_SCALE_BYTES
+        return (page * self.page_blocks + self.value_blocks) * rows_per_block + (block - page * self.page_blocks)
 
     def attend(self, attn: Attention, layer: int, x, step: PagedStep, gather_pages, decode_attention=None):
         """attn's output for normalized input x, after writing its new K/V as layer `layer`; a
         one-token step reads the pages in place through `decode_attention` when one is given."""
-        layers, kv_heads, head_dim, stride = self.layers, self.kv_heads, self.head_dim, self.stride
         n, blocks = step.seq_block_ids.shape
         cos, sin, bias = step.view(attn.sliding)
         q, k, v = attn.project(x, cos, sin)
         slot = step.write_slot.unsqueeze(1)  # [N,1,T]
-        key_page = ((step.write_page * layers + layer) * 2).unsqueeze(1) * kv_heads + self.head  # [N,Hkv,T]
-        key_elems = (key_page * (head_dim * stride) + slot).unsqueeze(-1) + self.key_dim_offset
-        self.flat.index_put_((key_elems,), k.to(self.flat.dtype))  # one column of K^T per token
-        value_page = key_page + kv_heads
-        self.value_rows.index_put_((value_page * stride + slot,), v.to(self.flat.dtype))  # rows [N,Hkv,T]
-        # The K page of each (row, head, block); its V page follows kv_heads pages later.
-        read = ((step.seq_block_ids * layers + layer) * 2).unsqueeze(1) * kv_heads + self.head  # [N,Hkv,B]
+        self.write(self.block_of(step.write_page, layer), slot, k, v)
+        read = self.block_of(step.seq_block_ids, layer)  # [N,Hkv,B]
         # The in-place decode kernel reads a prefix of the keys with plain scores: local layers'
         # windows and capped scores take the gathered path.
         if decode_attention is not None and q.shape[2] == 1 and not attn.sliding and attn.softcap is None:
             scaled = q[:, :, 0].float() * attn.scale
-            out = decode_attention(scaled, self.key_pages, read, step.visible)  # [N,H,D]
+            # An int8 cache's kernel also takes where a page keeps its scales.
+            page = (self.page_blocks, self.value_blocks) if self.quantized else ()
+            out = decode_attention(scaled, self.key_pages, read, step.visible, *page)  # [N,H,D]
             return attn.o_proj(out.reshape(n, 1, -1).to(q.dtype))
+        keys_t, values, scales = self.read(gather_pages, read, n, blocks)
+        return attn.attend_paged(q, keys_t, values, bias, self.stride, scales)
+
+    def write(self, key_block, slot, k, v):
+        """Store k, v [N,Hkv,T,D] at `slot` [N,1,T] of blocks `key_block` [N,Hkv,T] (K) and
+        kv_heads blocks later (V): one K^T column and one V row per token; in an int8 cache, as
+        int8 with each token's scale in its scale row, in one scatter."""
+        head_dim, stride = self.head_dim, self.stride
+        value_block = key_block + self.kv_heads
+        key_elems = (key_block * (head_dim * stride) + slot).unsqueeze(-1) + self.key_dim_offset  # [N,Hkv,T,D]
+        if not self.quantized:
+            self.flat.index_put_((key_elems,), k.to(self.flat.dtype))
+            self.flat.view(-1, head_dim).index_put_((value_block * stride + slot,), v.to(self.flat.dtype))
+            return
+        value_elems = ((value_block * stride + slot) * head_dim).unsqueeze(-1) + self.value_dim_offset
+        row_bytes = KV_SCALE_BYTES * stride
+
+        def scale_elems(block):  # [N,Hkv,T,2]
+            return (self.scale_row_of(block) * row_bytes + slot * KV_SCALE_BYTES).unsqueeze(-1) + self.scale_byte
+
+        (k, k_scale), (v, v_scale) = kv_quant.quantize(k), kv_quant.quantize(v)
+        elems = torch.cat((key_elems, scale_elems(key_block), value_elems, scale_elems(value_block)), dim=-1)
+        self.flat.index_put_((elems,), torch.cat((k, k_scale, v, v_scale), dim=-1))
+
+    def read(self, gather_pages, read, n: int, blocks: int):
+        """keys_t [N,Hkv,D,B*stride] and values [N,Hkv,B*stride,D] of the K blocks `read`
+        [N,Hkv,B] and their V blocks, gathered; for an int8 cache, float32 of its int8 values and
+        the scales (K's, V's) of each key [N,Hkv,1,B*stride], else None."""
+        kv_heads, head_dim, stride = self.kv_heads, self.head_dim, self.stride
         keys_t = gather_pages(self.key_pages, read).permute(0, 1, 3, 2, 4).reshape(n, kv_heads, head_dim, blocks * stride)
         values = gather_pages(self.value_pages, read + kv_heads).view(n, kv_heads, blocks * stride, head_dim)
-        return attn.attend_paged(q, keys_t, values, bias, stride)
+        if not self.quantized:
+            return keys_t, values, None
+        pairs = (n, kv_heads, blocks * stride, KV_SCALE_BYTES)
+        scales = tuple(kv_quant.scales(gather_pages(self.scale_rows, self.scale_row_of(block)).view(pairs))
+                       .unsqueeze(2) for block in (read, read + kv_heads))
+        return keys_t.float(), values.float(), scales

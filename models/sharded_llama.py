@@ -28,7 +28,7 @@ from torch import nn
 from kiln.runtime.device_layout import DeviceLayout
 
 from .config import LlamaConfig
-from .llama import MLP, ROTARY_BUFFERS, Attention, CachePages, PagedLlama, PagedStep, SparseMoE
+from .llama import MLP, ROTARY_BUFFERS, Attention, CachePages, PagedLlama, PagedStep, SparseMoE, cache_dtype_name
 
 
 def to_device(tensor: torch.Tensor, device: int) -> torch.Tensor:
@@ -138,12 +138,13 @@ class ShardedPagedLlama(nn.Module):
     rotary = PagedLlama.rotary
     logits = PagedLlama.logits
 
-    def page_elems(self) -> list[int]:
+    def page_elems(self, dtype=torch.float32) -> list[int]:
         c = self.config
-        return self.layout.page_elems(c.num_hidden_layers, c.num_key_value_heads, self.block_seq_stride, c.head_dim)
+        return self.layout.page_elems(c.num_hidden_layers, c.num_key_value_heads, self.block_seq_stride, c.head_dim,
+                                      cache_dtype_name(dtype))
 
     def allocate_cache(self, pages: int, dtype=torch.float32) -> list[torch.Tensor]:
-        return [torch.zeros(pages, elems, dtype=dtype) for elems in self.page_elems()]
+        return [torch.zeros(pages, elems, dtype=dtype) for elems in self.page_elems(dtype)]
 
     def forward_paged(self, tokens, start_pos, seq_lens, seq_block_ids, cache: list[torch.Tensor]) -> torch.Tensor:
         """PagedLlama.forward_paged over the layout's devices; hidden states [N,T,hidden] on device 0."""

@@ -21,6 +21,39 @@ _FORMER_KILN_FIELDS = {"model_name", "architecture", "bos_token_id", "dtype", "h
 
 # Element types of weights and of the KV cache an export may have.
 DTYPES = ("float32", "float16", "bfloat16")
+# The KV cache may also be stored as int8, with a scale per token and head (models/kv_quant.py):
+# a page keeps its scales after its K and V blocks, so the page pool and tiers move it whole.
+KV_CACHE_DTYPES = (*DTYPES, "int8")
+# Bytes an int8 cache keeps per token and head beside the values: a bfloat16 scale.
+KV_SCALE_BYTES = 2
+# The element type a cache's buffer crosses the ABI as. IREE 3.13's torch import cannot take an
+# integer tensor the function writes in place (it leaves the signed element type unconverted), so an
+# int8 cache travels as float16 of half as many elements, which the functions view as bytes.
+KV_STORAGE_DTYPES = {"int8": "float16"}
+
+
+def kv_storage_dtype(kv_cache_dtype: str) -> str:
+    return KV_STORAGE_DTYPES.get(kv_cache_dtype, kv_cache_dtype)
+
+
+def kv_storage_elems(elems: int, kv_cache_dtype: str) -> int:
+    """`elems` elements of a cache of kv_cache_dtype, counted in its storage type's."""
+    return elems // 2 if kv_cache_dtype in KV_STORAGE_DTYPES else elems
+
+
+def kv_scale_blocks(value_blocks: int, head_dim: int, kv_cache_dtype: str) -> int:
+    """Blocks (head_dim x stride elements) an int8 page adds after its `value_blocks` K and V blocks
+    for their scales, KV_SCALE_BYTES a token each, rounded up to whole blocks; 0 for a float cache."""
+    return -(-value_blocks * KV_SCALE_BYTES // head_dim) if kv_cache_dtype == "int8" else 0
+
+
+def kv_page_elems(layers: int, kv_heads: int, head_dim: int, block_seq_stride: int, kv_cache_dtype: str) -> int:
+    """Elements of kv_cache_dtype in one page: layers x (K, V) x kv_heads blocks of stride x
+    head_dim, then an int8 cache's scale blocks."""
+    blocks = layers * 2 * kv_heads
+    return (blocks + kv_scale_blocks(blocks, head_dim, kv_cache_dtype)) * head_dim * block_seq_stride
+
+
 # How an export may store its weight matmuls' weights (models/quantize.py).
 # "gguf": a GGUF's block-quantized weights, each in its own type (Q4_K beside Q6_K).
 QUANTIZATIONS = ("none", "bf16", "int8", "q8_0", "q4_0", "q4_1", "gguf")
@@ -62,12 +95,18 @@ class ModelParams:
 
     @property
     def page_elems(self) -> int:
-        """Elements in one page: layers x (K, V) x kv_heads x stride x head_dim (the model owns the order)."""
+        """Elements of the cache buffer's storage type (kv_storage_dtype) in one page: layers x
+        (K, V) x kv_heads blocks (the model owns the order)."""
         kv = self.paged_kv_cache
-        return (
-            self.transformer_block_count * 2 * kv.attention_head_count_kv
-            * kv.block_seq_stride * self.attn_head_dim
-        )
+        elems = kv_page_elems(self.transformer_block_count, kv.attention_head_count_kv, self.attn_head_dim,
+                              kv.block_seq_stride, kv.kv_cache_dtype)
+        return kv_storage_elems(elems, kv.kv_cache_dtype)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes in one page."""
+        storage = kv_storage_dtype(self.paged_kv_cache.kv_cache_dtype)
+        return self.page_elems * (4 if storage == "float32" else 2)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

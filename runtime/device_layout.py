@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .config import kv_page_elems
+
 
 @dataclass(frozen=True)
 class DeviceLayout:
@@ -48,8 +50,10 @@ class DeviceLayout:
                 return f"--tensor-parallel {self.tensor_parallel} does not divide the model's {count} {what}"
         return None
 
-    def page_elems(self, layers: int, kv_heads: int, block_seq_stride: int, head_dim: int) -> list[int]:
-        """Elements of one page on each device, in device order (they sum to a one-device page's)."""
+    def page_elems(self, layers: int, kv_heads: int, block_seq_stride: int, head_dim: int,
+                   kv_cache_dtype: str = "float32") -> list[int]:
+        """Elements (of kv_cache_dtype, not its storage type) of one page on each device, in device
+        order (a float cache's sum to a one-device page's)."""
         local_heads = kv_heads // self.tensor_parallel
-        return [len(stage) * 2 * local_heads * block_seq_stride * head_dim
+        return [kv_page_elems(len(stage), local_heads, head_dim, block_seq_stride, kv_cache_dtype)
                 for stage in self.stage_layers(layers) for _ in range(self.tensor_parallel)]

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 from iree import runtime as ireert
 
-from .config import KilnParams, load_model_config
+from .config import KilnParams, kv_storage_dtype, kv_storage_elems, load_model_config
 from .contract import PARAMETER_SCOPE, Artifacts, Capabilities, ContractError, parse_function_name
 from .device_layout import DeviceLayout
 from .devices import ShardedKvCache, open_devices
@@ -58,7 +58,8 @@ class Program:
 
     @property
     def cache_dtype(self) -> np.dtype:
-        name = self.params.paged_kv_cache.kv_cache_dtype
+        """The element type of the cache's buffer (an int8 cache's storage type: config.kv_storage_dtype)."""
+        name = kv_storage_dtype(self.params.paged_kv_cache.kv_cache_dtype)
         if name == "bfloat16":
             import ml_dtypes
 
@@ -70,8 +71,10 @@ class Program:
         if self.layout.device_count == 1:
             return ireert.asdevicearray(self.device, np.zeros((pages, self.params.page_elems), dtype=self.cache_dtype))
         p = self.params
-        widths = self.layout.page_elems(p.transformer_block_count, p.paged_kv_cache.attention_head_count_kv,
-                                        p.block_seq_stride, p.attn_head_dim)
+        dtype = p.paged_kv_cache.kv_cache_dtype
+        widths = [kv_storage_elems(width, dtype) for width in
+                  self.layout.page_elems(p.transformer_block_count, p.paged_kv_cache.attention_head_count_kv,
+                                         p.block_seq_stride, p.attn_head_dim, dtype)]
         return ShardedKvCache([ireert.asdevicearray(device, np.zeros((pages, width), dtype=self.cache_dtype))
                                for device, width in zip(self.devices, widths)])
 

@@ -11,9 +11,9 @@ class EagerSequence:
     functions run it: a prefill of several tokens widens the weights, a decode step of one
     token (and prefill_last's output head over one position) takes them narrow."""
 
-    def __init__(self, model, pages: int = 8):
+    def __init__(self, model, pages: int = 8, cache_dtype=torch.float32):
         self.model, self.length = model, 0
-        self.cache = model.allocate_cache(pages + 1)
+        self.cache = model.allocate_cache(pages + 1, cache_dtype)
         self.table = torch.arange(1, pages + 1).view(1, -1)
 
     def _forward(self, tokens: list[int]) -> torch.Tensor:

@@ -103,8 +103,7 @@ def replica_pages(service_config: ServiceConfig, params) -> int:
     """How many pages one replica's prefix cache can hold: its device pages and its host tier's."""
     pages = service_config.page_count or params.paged_kv_cache.device_block_count
     if service_config.host_kv_bytes:
-        itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(params.paged_kv_cache.kv_cache_dtype, 4)
-        pages += service_config.host_kv_bytes // (params.page_elems * itemsize)
+        pages += service_config.host_kv_bytes // params.page_bytes
     return pages
 
 

@@ -19,19 +19,24 @@ from kiln.export.compile import run_iree_compile, target_flags
 from kiln.export.export_model import build_model
 from kiln.export.options import ExportOptions
 from kiln.models.config import LlamaConfig
+from kiln.models import kv_quant
 from kiln.models.llama import MASKED_SCORE, Attention, index_pages
+from kiln.runtime.config import KV_SCALE_BYTES, kv_scale_blocks
 
 pytestmark = pytest.mark.skipif(cpu_kernels.support_problem() is not None, reason=str(cpu_kernels.support_problem()))
 
 
-def _compile_alone(directory, rows: int, heads: int, kv_heads: int, head_dim: int, stride: int):
-    """The kernel's dispatch behind a public function of q, the K pages, the page table and the
-    visible counts, compiled as an export's would be."""
+def _compile_alone(directory, rows: int, heads: int, kv_heads: int, head_dim: int, stride: int,
+                   int8_page: tuple[int, int] | None = None):
+    """The kernel's dispatch behind a public function of q, the K pages (float32, or int8 with
+    pages of `int8_page` blocks), the page table and the visible counts, compiled as an export's
+    would be."""
     import iree.runtime as rt
 
     name = f"kiln_paged_decode_attention_{rows}x{heads}x{kv_heads}x{head_dim}x{stride}"
-    body = cpu_attention._decode_attention_text(name, rows, heads, kv_heads, head_dim, stride).strip()
-    q_type, pages_type = f"tensor<{rows}x{heads}x{head_dim}xf32>", f"tensor<?x{head_dim}x{stride}xf32>"
+    body = cpu_attention._decode_attention_text(name, rows, heads, kv_heads, head_dim, stride, int8_page).strip()
+    q_type = f"tensor<{rows}x{heads}x{head_dim}xf32>"
+    pages_type = f"tensor<?x{head_dim}x{stride}x{'f32' if int8_page is None else 'i8'}>"
     table_type, visible_type = f"tensor<{rows}x{kv_heads}x?xi64>", f"tensor<{rows}xi64>"
     source = directory / "attention.mlir"
     source.write_text(f"""{body[:-1]}
@@ -50,9 +55,10 @@ util.func public @main(%q: {q_type}, %key_pages: {pages_type}, %pages: {table_ty
     return context.modules.module.main
 
 
-def _gather_path(q, key_pages, table, visible, heads: int, stride: int):
+def _gather_path(q, key_pages, table, visible, heads: int, stride: int, value_pages=None):
     """The model's decode attention without the kernel: pages copied by index, then
-    `Attention.attend_paged` with the bias `PagedStep` builds, its output projection the identity."""
+    `Attention.attend_paged` with the bias `PagedStep` builds, its output projection the identity.
+    V pages are the K pages' buffer viewed [stride, D] unless given."""
     rows, _, head_dim = q.shape
     kv_heads, blocks = table.shape[1], table.shape[2]
     config = LlamaConfig(vocab_size=8, hidden_size=heads * head_dim, intermediate_size=8, num_hidden_layers=1,
@@ -61,7 +67,7 @@ def _gather_path(q, key_pages, table, visible, heads: int, stride: int):
     attention = Attention(config)
     with torch.no_grad():
         attention.o_proj.weight.copy_(torch.eye(heads * head_dim))
-    value_pages = key_pages.view(-1, stride, head_dim)
+    value_pages = key_pages.view(-1, stride, head_dim) if value_pages is None else value_pages
     keys_t = index_pages(key_pages, table).permute(0, 1, 3, 2, 4).reshape(rows, kv_heads, head_dim, blocks * stride)
     values = index_pages(value_pages, table + kv_heads).view(rows, kv_heads, blocks * stride, head_dim)
     hidden = (torch.arange(blocks * stride).view(1, -1) >= visible.view(-1, 1)).float()
@@ -136,11 +142,70 @@ def test_the_eager_twin_matches_the_gather_path(rows, heads, kv_heads, head_dim,
     assert not got[~live].any()
 
 
-def test_exports_with_the_kernels_take_it_where_the_cache_is_float32(tiny_checkpoint):
+def _int8_case(rows: int, heads: int, kv_heads: int, head_dim: int, stride: int, contexts: list[int], seed: int):
+    """_case for an int8 cache laid out as the model lays one layer out: pages of 2 * kv_heads
+    value blocks then their scale blocks; random int8 values over the whole range and a random
+    scale per key. Returns q, the int8 K pages [X, D, stride], the table, visible counts and the
+    page shape (blocks a page, value blocks)."""
+    rng = np.random.default_rng(seed)
+    blocks = max(1, -(-max(contexts) // stride))
+    value_blocks = 2 * kv_heads
+    page_blocks = value_blocks + kv_scale_blocks(value_blocks, head_dim, "int8")
+    cache_pages = rows * blocks + 3
+    key_pages = rng.integers(-127, 128, (cache_pages * page_blocks, head_dim, stride)).astype(np.int8)
+    scale_rows = key_pages.reshape(cache_pages, -1, KV_SCALE_BYTES * stride)[:, value_blocks * head_dim // 2:]
+    scales = torch.from_numpy(rng.uniform(1e-3, 5e-2, (cache_pages, scale_rows.shape[1], stride)).astype(np.float32))
+    scale_rows[:] = kv_quant.code_bytes(kv_quant.encode_scale(scales * 127)).view(cache_pages, -1, 2 * stride).numpy()
+    order = rng.permutation(np.arange(1, cache_pages))
+    table = np.zeros((rows, kv_heads, blocks), np.int64)
+    for row in range(rows):
+        if contexts[row]:
+            pages = order[row * blocks:(row + 1) * blocks]
+            table[row] = pages.reshape(1, -1) * page_blocks + np.arange(kv_heads).reshape(-1, 1)
+    q = torch.from_numpy(rng.standard_normal((rows, heads, head_dim)).astype(np.float32)) / np.sqrt(head_dim)
+    return (q, torch.from_numpy(key_pages), torch.from_numpy(table), torch.tensor(contexts, dtype=torch.int64),
+            (page_blocks, value_blocks))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("rows,heads,kv_heads,head_dim,stride,contexts", CASES[1:4] + CASES[5:])
+def test_the_int8_kernel_matches_the_gather_path_over_dequantized_pages(tmp_path, rows, heads, kv_heads, head_dim,
+                                                                       stride, contexts):
+    """The int8 cache's kernel against the float gather path over the same pages dequantized
+    (each value block read as K^T [D, stride] and as V [stride, D], its scales per key either
+    way), and the op's eager twin against the same."""
+    q, key_pages, table, visible, page = _int8_case(rows, heads, kv_heads, head_dim, stride, contexts,
+                                                    seed=sum(contexts))
+    main = _compile_alone(tmp_path, rows, heads, kv_heads, head_dim, stride, page)
+    got = np.asarray(main(q.numpy(), key_pages.numpy(), table.numpy(), visible.numpy()))
+    keys, values = cpu_attention.dequantized_pages(key_pages, *page)
+    want = _gather_path(q, keys, table, visible, heads, stride, values).numpy()
+    live = np.asarray(contexts) > 0
+    np.testing.assert_allclose(got[live], want[live], rtol=1e-5, atol=1e-5)
+    assert not got[~live].any()
+    eager = cpu_attention.paged_decode_attention_int8(q, key_pages, table, visible, *page).numpy()
+    np.testing.assert_allclose(eager[live], want[live], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.e2e
+def test_the_int8_kernel_never_reads_a_scale_block_as_values(tmp_path):
+    """A corrupt table naming a scale block (or a K block whose V block would be one) skips those
+    keys, as a page past the end of the cache is skipped."""
+    q, key_pages, table, visible, page = _int8_case(1, 4, 2, 16, 16, [32], seed=9)
+    main = _compile_alone(tmp_path, 1, 4, 2, 16, 16, page)
+    want = np.asarray(main(q.numpy(), key_pages.numpy(), table[:, :, :1].numpy(), torch.tensor([16]).numpy()))
+    for local in (page[1] - 1, page[1]):  # V would be a scale block; a scale block itself
+        table[0, :, 1] = table[0, :, 1] // page[0] * page[0] + local
+        got = np.asarray(main(q.numpy(), key_pages.numpy(), table.numpy(), visible.numpy()))
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_exports_with_the_kernels_take_it_where_the_cache_is_float32_or_int8(tiny_checkpoint):
     def decode_attention(**options):
         return build_model(tiny_checkpoint, ExportOptions(**options).validate(256)).decode_attention
 
     assert decode_attention(cpu_kernels=True) is cpu_attention.paged_decode_attention
+    assert decode_attention(cpu_kernels=True, kv_cache_dtype="int8") is cpu_attention.paged_decode_attention_int8
     assert decode_attention(cpu_kernels=True, kv_cache_dtype="float16") is None
     assert decode_attention(cpu_kernels=False) is None
     config = tiny_checkpoint.config

@@ -13,9 +13,9 @@ from tests.hf_families import FAMILIES
 from tests.tiny_model import make_tiny_checkpoint
 
 
-def run(model, checkpoint_layout=None):
+def run(model, cache_dtype=torch.float32):
     tokens = list(range(10, 31))
-    cache = model.allocate_cache(16)
+    cache = model.allocate_cache(16, cache_dtype)
     table = torch.tensor([[3, 7, 2, 9]])
     with torch.no_grad():
         h1 = model.forward_paged(torch.tensor([tokens[:16]]), torch.tensor([0]), torch.tensor([16]), table[:, :2], cache)
@@ -41,6 +41,19 @@ def test_every_layout_gives_the_one_device_logits(tp, pp, overrides):
     sharded = ShardedPagedLlama(fresh(), DeviceLayout(tp, pp))
     assert len(sharded.allocate_cache(4)) == tp * pp
     got = run(sharded)
+    assert (got - want).abs().max() / want.abs().max() < 1e-5
+
+
+def test_an_int8_cache_shards_to_the_one_device_logits():
+    """Each device's int8 pages keep their own scale blocks: the same quantized K and V, so the
+    same logits as one device's int8 cache."""
+    checkpoint = make_tiny_checkpoint(seed=5, num_hidden_layers=3)
+
+    def fresh():
+        return PagedLlama(checkpoint.config, block_seq_stride=8).load_tensors(checkpoint.tensors).eval()
+
+    want = run(fresh(), torch.int8)
+    got = run(ShardedPagedLlama(fresh(), DeviceLayout(2, 3)), torch.int8)
     assert (got - want).abs().max() / want.abs().max() < 1e-5
 
 

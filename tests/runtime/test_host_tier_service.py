@@ -75,6 +75,14 @@ def test_conversations_come_back_from_host_memory_with_the_same_tokens(tiny_arti
     assert stats.prefix_hit_tokens > without_tier[1].prefix_hit_tokens
 
 
+def test_an_int8_caches_pages_come_back_from_host_memory_with_their_scales(tiny_int8_kv_artifacts):
+    page_bytes = page_bytes_of(tiny_int8_kv_artifacts)
+    without, _, _ = conversations(artifacts=tiny_int8_kv_artifacts)
+    with_tier, stats, _ = conversations(artifacts=tiny_int8_kv_artifacts, host_kv_bytes=4 * DEVICE_PAGES * page_bytes)
+    assert with_tier == without
+    assert stats.host_hit_tokens > 0 and stats.bytes_to_device == stats.host_hit_tokens // 16 * page_bytes
+
+
 def test_a_host_tier_needs_the_prefix_cache(tiny_artifacts):
     with pytest.raises(ModelLoadError, match="prefix-sharing trie"):
         asyncio.run(started(tiny_artifacts, prefix_sharing="none", host_kv_bytes=1 << 20))

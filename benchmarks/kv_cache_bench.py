@@ -1,0 +1,125 @@
+"""What an int8 KV cache (`--kv-cache-dtype int8`) costs and saves against the float32 cache, on
+the bundled SmolLM2 as `kiln serve` builds it (Q4_1 weights, Kiln's CPU kernels):
+
+    python -m benchmarks.kv_cache_bench [--rounds 2] [--output FILE]
+
+- cache bytes per token, from each build's page size;
+- mean log-probability of 2,048 tokens of English prose (this repository's docs, the prompt's own
+  tokens scored as the model reads them, prefilled in the server's chunks so later chunks read
+  the earlier ones' cached K and V), and the relative change;
+- decode tokens/s at 4,000 tokens of context, batch 1 and 4 (64 tokens each, greedy, the
+  prefill's step left out as kiln_offline does), in rounds whose order alternates; the ratios
+  are what to quote.
+
+Each build is measured in its own process (no torch in it). Results go to
+results/kv-cache-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.kiln_offline import build_in_child
+
+# Each cache's `--kv-cache-dtype` ("": the model's own float32, the build the tests share).
+CACHES = {"float32": "", "int8": "int8"}
+SCORED_TOKENS, CONTEXT, TOKENS, BATCHES = 2048, 4000, 64, (1, 4)
+HERE = Path(__file__).resolve().parent.parent
+
+
+def prose() -> str:
+    """English text for the log-probability: the repository's own docs, in a fixed order."""
+    return "\n\n".join(path.read_text() for path in sorted((HERE / "docs").glob("*.md")))
+
+
+def mean_logprob(llm, tokens: int = SCORED_TOKENS) -> float:
+    """The mean log-probability the model gives each of the first `tokens` of prose() after the first."""
+    from kiln.runtime import SamplingParams
+
+    ids = llm.service.encode(prose(), False)[:tokens]
+    if len(ids) < tokens:
+        raise SystemExit(f"the docs hold {len(ids)} tokens, fewer than {tokens}")
+    [first] = list(llm.stream(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)))[:1]
+    scored = [entry.logprob for entry in first.prompt_logprobs if entry is not None]
+    return float(np.mean(scored))
+
+
+def decode_tok_s(llm, batch: int) -> float:
+    from kiln.runtime import SamplingParams
+
+    rng = np.random.default_rng(batch)
+    prompts = [rng.integers(100, 30000, CONTEXT).tolist() for _ in range(batch)]
+
+    def timed(max_tokens: int) -> float:
+        started = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        return time.perf_counter() - started
+
+    timed(1)
+    return batch * (TOKENS - 1) / (timed(TOKENS) - timed(1))
+
+
+def measure(artifacts: Path, what: str) -> float:
+    """One figure of one build, in this process: "logprob" or "decode<batch>"."""
+    from kiln.runtime import LLM
+
+    # The build's 1,024 pages hold 4 rows of 4,064 tokens; no prefix reuse between timed calls.
+    with LLM(artifacts, prefix_sharing="none") as llm:
+        return mean_logprob(llm) if what == "logprob" else decode_tok_s(llm, int(what.removeprefix("decode")))
+
+
+def page_bytes(artifacts: Path) -> int:
+    from kiln.runtime.config import load_model_config
+
+    return load_model_config(artifacts / "model.json")[0].page_bytes
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--output", type=Path)
+    parser.add_argument("--measure", nargs=2, help=argparse.SUPPRESS)  # artifacts, what: a child's part
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps({"value": measure(Path(args.measure[0]), args.measure[1])}))
+        return 0
+    builds = {cache: build_in_child(f"replace(default_build_options(), kv_cache_dtype={flag!r})")
+              for cache, flag in CACHES.items()}
+
+    def child(cache: str, what: str) -> float:
+        done = subprocess.run([sys.executable, "-m", "benchmarks.kv_cache_bench", "--measure", str(builds[cache]),
+                               what], check=True, stdout=subprocess.PIPE, text=True, cwd=HERE)
+        return json.loads(done.stdout.strip().splitlines()[-1])["value"]
+
+    stride = 16
+    result: dict = {"context": CONTEXT, "tokens": TOKENS, "scored_tokens": SCORED_TOKENS,
+                    "bytes_per_token": {cache: page_bytes(builds[cache]) / stride for cache in CACHES}}
+    result["bytes_ratio"] = round(result["bytes_per_token"]["int8"] / result["bytes_per_token"]["float32"], 4)
+    logprobs = {cache: child(cache, "logprob") for cache in CACHES}
+    result["mean_logprob"] = {cache: round(value, 5) for cache, value in logprobs.items()}
+    result["mean_logprob_change"] = round(abs(logprobs["int8"] / logprobs["float32"] - 1), 5)
+    decode: dict[str, dict[str, list[float]]] = {f"batch {b}": {cache: [] for cache in CACHES} for b in BATCHES}
+    for index in range(args.rounds):
+        for batch in BATCHES:
+            for cache in (list(CACHES) if index % 2 == 0 else list(CACHES)[::-1]):
+                decode[f"batch {batch}"][cache].append(round(child(cache, f"decode{batch}"), 1))
+    result["decode_tok_s"] = decode
+    result["decode_ratio_int8_to_float32"] = {
+        key: round(statistics.median(v["int8"]) / statistics.median(v["float32"]), 3) for key, v in decode.items()}
+    output = args.output or HERE / "benchmarks" / "results" / f"kv-cache-{date.today().isoformat()}.json"
+    output.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""An int8 KV cache (`--kv-cache-dtype int8`) through export → compile → iree.runtime: its bytes,
+and its logits against the eager model writing and reading the same int8 cache (the arithmetic
+the export traced) and against the float cache's. Two builds: the CPU kernel reading the pages in
+place for decode, and the gathered, dequantizing form every target compiles (a GPU's)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.export import cpu_kernels
+from kiln.models.llama import PagedLlama
+from kiln.runtime.contract import Artifacts
+from kiln.runtime.program import Program
+from tests.conftest import TINY_EXPORT_ARGS, _export_and_compile
+from tests.eager_paged import EagerSequence
+from tests.paged_driver import PagedDriver, relative_error
+
+pytestmark = pytest.mark.e2e
+# Compiled against eager, both rounding the same K/V to int8: a value on a rounding boundary may
+# land one step apart, a few 1e-4 of the logits' scale.
+SAME_ARITHMETIC = 2e-3
+# Against the float cache: what 8 bits of K and V cost the tiny random model.
+FLOAT_CACHE = 2e-2
+PROMPTS = [list(range(5, 45)), list(range(100, 117)), [7, 3, 9], list(range(200, 263))]
+
+
+@pytest.fixture(scope="module")
+def gathered_artifacts(tiny_hf_dir, tmp_path_factory):
+    """The int8 cache without the CPU kernels: prefill and decode gather and dequantize the pages."""
+    return _export_and_compile(tiny_hf_dir, tmp_path_factory.mktemp("tiny-int8-kv-gathered"),
+                               [*TINY_EXPORT_ARGS, "--kv-cache-dtype", "int8"])
+
+
+@pytest.fixture(scope="module")
+def eager(tiny_checkpoint):
+    return PagedLlama(tiny_checkpoint.config, block_seq_stride=16).load_tensors(tiny_checkpoint.tensors).eval()
+
+
+def _generate(program: Program, prompts, steps: int) -> tuple[list[np.ndarray], list[list[int]]]:
+    """Prefill `prompts` as one batch of 4, then decode greedily `steps` tokens; each row's logits
+    [len(prompt) + steps, V] and its tokens."""
+    driver = PagedDriver(program)
+    seqs = driver.new_sequences(len(prompts), max(len(p) for p in prompts) + steps)
+    logits = driver.prefill(seqs, prompts, 4)
+    rows = [[logits[r, :len(p)]] for r, p in enumerate(prompts)]
+    tokens = [list(p) + [int(logits[r, len(p) - 1].argmax())] for r, p in enumerate(prompts)]
+    for _ in range(steps):
+        step = driver.decode(seqs, [t[-1] for t in tokens], [len(t) - 1 for t in tokens], 4)
+        for r, seq in enumerate(tokens):
+            rows[r].append(step[r])
+            seq.append(int(step[r, 0].argmax()))
+    return [np.concatenate(r) for r in rows], tokens
+
+
+def _eager_logits(model, tokens: list[int], prompt_len: int, cache_dtype) -> np.ndarray:
+    """The eager paged model's logits over `tokens`, the prompt in one call and then one token a
+    call, as the compiled functions ran them."""
+    sequence = EagerSequence(model, pages=8, cache_dtype=cache_dtype)
+    rows = [sequence.run(tokens[:prompt_len])]
+    rows += [sequence.run([token]) for token in tokens[prompt_len:-1]]
+    return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("build", ["kernel", "gathered"])
+def test_an_int8_cache_runs_as_the_eager_model_and_near_the_float_cache(build, tiny_int8_kv_artifacts,
+                                                                         gathered_artifacts, eager):
+    if build == "kernel" and cpu_kernels.support_problem():
+        pytest.skip(cpu_kernels.support_problem())
+    artifacts = tiny_int8_kv_artifacts if build == "kernel" else gathered_artifacts
+    program = Program(Artifacts.in_directory(artifacts))
+    # Its buffer crosses the ABI as float16 (runtime/config.py's KV_STORAGE_DTYPES).
+    assert program.params.paged_kv_cache.kv_cache_dtype == "int8" and program.cache_dtype == np.float16
+    logits, tokens = _generate(program, PROMPTS, steps=6)
+    for row, prompt in enumerate(PROMPTS):
+        same = _eager_logits(eager, tokens[row], len(prompt), torch.int8)
+        assert relative_error(logits[row], same) < SAME_ARITHMETIC
+        float_cache = _eager_logits(eager, tokens[row], len(prompt), torch.float32)
+        assert relative_error(logits[row], float_cache) < FLOAT_CACHE
+
+
+def test_an_int8_cache_stores_about_a_quarter_of_float32s_bytes(tiny_int8_kv_artifacts, tiny_artifacts):
+    def page_bytes(artifacts):
+        program = Program(Artifacts.in_directory(artifacts))
+        return program.params.page_elems * program.cache_dtype.itemsize
+
+    config = json.loads((tiny_int8_kv_artifacts / "model.json").read_text())
+    assert config["paged_kv_cache"]["kv_cache_dtype"] == "int8"
+    # The tiny model's 8 K and V blocks of 16 x 16 and one block of their scales: 9 / (8 x 4).
+    # SmolLM2's 180 blocks of 64 x 16 take 6 of scales: 0.258.
+    assert page_bytes(tiny_int8_kv_artifacts) / page_bytes(tiny_artifacts) == 9 / 32
