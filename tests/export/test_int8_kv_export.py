@@ -15,7 +15,7 @@ from kiln.export import cpu_kernels
 from kiln.models.llama import PagedLlama
 from kiln.runtime.contract import Artifacts
 from kiln.runtime.program import Program
-from tests.conftest import TINY_EXPORT_ARGS, _export_and_compile
+from tests.conftest import TINY_EXPORT_ARGS, _export_and_compile, run_kiln
 from tests.eager_paged import EagerSequence
 from tests.paged_driver import PagedDriver, relative_error
 
@@ -92,3 +92,13 @@ def test_an_int8_cache_stores_about_a_quarter_of_float32s_bytes(tiny_int8_kv_art
     # The tiny model's 8 K and V blocks of 16 x 16 and one block of their scales: 9 / (8 x 4).
     # SmolLM2's 180 blocks of 64 x 16 take 6 of scales: 0.258.
     assert page_bytes(tiny_int8_kv_artifacts) / page_bytes(tiny_artifacts) == 9 / 32
+
+
+@pytest.mark.parametrize("target,arch", [("cuda", "sm_80"), ("rocm", "gfx942")])
+def test_gpu_targets_compile_an_int8_cache(gathered_artifacts, tmp_path, target, arch):
+    """The gathered form is what a GPU runs: int8 pages widened as read, their scales on the
+    scores and weights."""
+    out = tmp_path / f"model_{target}.vmfb"
+    result = run_kiln("compile-vmfb", str(gathered_artifacts / "model.mlir"), "--target", target, "--arch", arch,
+                      "-o", str(out))
+    assert "marked 6 cache argument(s)" in result.stderr and out.stat().st_size > 10_000
