@@ -3,9 +3,9 @@ scale, symmetric (value = q * scale, q in [-127, 127]).
 
 A scale per token rather than one per page: a page fills a token at a time during decode, and a
 page-wide scale would have to be fixed before its later tokens are seen, or their earlier
-neighbours re-rounded each time a larger one arrived. Each head's block of a page keeps its
-`stride` scales after its values (runtime/config.py's kv_block_elems), so a page, whatever tier it
-is copied to, carries its own scales.
+neighbours re-rounded each time a larger one arrived. A page keeps the scales of its K and V
+blocks in scale blocks after them (models/llama.py's CachePages, runtime/config.py's
+kv_scale_blocks), so a page, whatever tier it is copied to, carries its own scales.
 
 A scale is stored as the bit pattern of a positive bfloat16 (two bytes, little-endian): the CPU
 attention kernel widens it to float32 with one shift, and the export computes it with integer
