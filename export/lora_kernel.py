@@ -49,14 +49,12 @@ def _lora_delta_text(name: str, rows: int, fin: int, fout: int, a_shape: list[in
     func.func @lora_delta(%x_binding: !stream.binding, %a_binding: !stream.binding, %b_binding: !stream.binding,
                           %slots_binding: !stream.binding, %y_binding: !stream.binding, %rows: index,
                           %tokens: index, %in: index, %out: index, %rank: index, %slot_count: index,
-                          %layer: index) {{
+                          %layer: index, %a_size: index, %b_size: index) {{
       %c0 = arith.constant 0 : index
       %workgroup = stream.dispatch.workgroup.id[0] : index
       %row_tokens = arith.muli %rows, %tokens : index
       %x_size = arith.muli %row_tokens, %in : index
       %y_size = arith.muli %row_tokens, %out : index
-      %a_size = arith.constant {a_elems} : index
-      %b_size = arith.constant {b_elems} : index
       %x = stream.binding.subspan %x_binding[%c0] : !stream.binding -> {f32}{{%x_size}}
       %a = stream.binding.subspan %a_binding[%c0] : !stream.binding -> {f32}{{%a_size}}
       %b = stream.binding.subspan %b_binding[%c0] : !stream.binding -> {f32}{{%b_size}}
@@ -78,6 +76,8 @@ util.func private @{name}(%x: {x_type}, %a: {a_type}, %b: {b_type}, %slots: tens
   %rank = arith.constant {rank} : index
   %slot_count = arith.constant {slot_count} : index
   %layer = arith.constant {layer} : index
+  %a_size = arith.constant {a_elems} : index
+  %b_size = arith.constant {b_elems} : index
   %tokens = tensor.dim %x, %c1 : {x_type}
   %padded = arith.addi %tokens, %c{TOKENS_PER_WORKGROUP - 1} : index
   %chunks = arith.divui %padded, %c{TOKENS_PER_WORKGROUP} : index
@@ -89,9 +89,9 @@ util.func private @{name}(%x: {x_type}, %a: {a_type}, %b: {b_type}, %slots: tens
   %a_flat = tensor.collapse_shape %a [[0, 1, 2, 3]] : {a_type} into tensor<{a_elems}xf32>
   %b_flat = tensor.collapse_shape %b [[0, 1, 2, 3]] : {b_type} into tensor<{b_elems}xf32>
   %y_flat = flow.dispatch @{name}_executable::@lora_delta[%workgroups](%x_flat, %a_flat, %b_flat, %slots, %rows,
-      %tokens, %in, %out, %rank, %slot_count, %layer)
+      %tokens, %in, %out, %rank, %slot_count, %layer, %a_size, %b_size)
       : (tensor<?xf32>{{%x_size}}, tensor<{a_elems}xf32>, tensor<{b_elems}xf32>, tensor<{rows}xi64>, index, index,
-         index, index, index, index, index) -> tensor<?xf32>{{%y_size}}
+         index, index, index, index, index, index, index) -> tensor<?xf32>{{%y_size}}
   %y = tensor.expand_shape %y_flat [[0, 1, 2]] output_shape [{rows}, %tokens, {fout}] : tensor<?xf32> into {y_type}
   util.return %y : {y_type}
 }}
