@@ -673,3 +673,58 @@ void kiln_paged_decode_attention_i8(MEMREF_F32(q), MEMREF_I8(cache), MEMREF_I64(
                          visible + visible_offset, out + out_offset, heads, kv_heads, head_dim, stride, blocks,
                          workgroup, 1, page_blocks, value_blocks);
 }
+
+/* LoRA adapters applied per row (punica's BGMV): y[n, t] = (x[n, t] . A_s^T) . B_s for the row's
+ * slot s = slots[n], reading the slot's weights where they lie in the stacked arguments, A
+ * [layers, slot_count, rank, in] and B^T [layers, slot_count, rank, out], at layer `layer`. A row
+ * with slot 0 (no adapter) or a slot out of range gets zeros and reads no weight. One workgroup
+ * takes one row and up to LORA_TOKENS of its tokens: each rank's dot product with every token
+ * while its row of A is in cache, then every output vector as a sum of B^T's rows scaled by the
+ * tokens' low-rank values. in and out are whole vectors of 16. */
+enum { LORA_TOKENS = 16, LORA_MAX_RANK = 256 };
+
+__attribute__((target("avx512f")))
+void kiln_lora_delta(MEMREF_F32(x), MEMREF_F32(a), MEMREF_F32(b), MEMREF_I64(slots), float *y_allocated,
+                     float *restrict y, size_t y_offset, size_t y_size, size_t y_stride, size_t tokens, size_t in,
+                     size_t out, size_t rank, size_t slot_count, size_t layer, size_t workgroup) {
+  (void)x_allocated; (void)x_size; (void)x_stride; (void)a_allocated; (void)a_stride; (void)b_allocated;
+  (void)b_stride; (void)slots_allocated; (void)slots_size; (void)slots_stride; (void)y_allocated; (void)y_size;
+  (void)y_stride;
+  x += x_offset;
+  a += a_offset;
+  b += b_offset;
+  slots += slots_offset;
+  y += y_offset;
+  size_t chunks = (tokens + LORA_TOKENS - 1) / LORA_TOKENS;
+  size_t row = workgroup / chunks, t0 = workgroup % chunks * LORA_TOKENS;
+  size_t count = tokens - t0 < LORA_TOKENS ? tokens - t0 : LORA_TOKENS;
+  const float *xs = x + (row * tokens + t0) * in;
+  float *ys = y + (row * tokens + t0) * out;
+  int64_t slot = slots[row];
+  size_t a_at = (layer * slot_count + (size_t)slot) * rank * in, b_at = (layer * slot_count + (size_t)slot) * rank * out;
+  if (slot <= 0 || (size_t)slot >= slot_count || rank > LORA_MAX_RANK || a_at + rank * in > a_size ||
+      b_at + rank * out > b_size) {
+    for (size_t i = 0; i < count * out; i += 16) _mm512_storeu_ps(ys + i, _mm512_setzero_ps());
+    return;
+  }
+  const float *as = a + a_at, *bs = b + b_at;
+  float low[LORA_TOKENS][LORA_MAX_RANK];
+  for (size_t r = 0; r < rank; ++r) {
+    const float *a_row = as + r * in;
+    for (size_t t = 0; t < count; ++t) {
+      __m512 sum = _mm512_setzero_ps();
+      for (size_t k = 0; k < in; k += 16)
+        sum = _mm512_fmadd_ps(_mm512_loadu_ps(a_row + k), _mm512_loadu_ps(xs + t * in + k), sum);
+      low[t][r] = _mm512_reduce_add_ps(sum);
+    }
+  }
+  for (size_t o = 0; o < out; o += 16) {
+    __m512 acc[LORA_TOKENS];
+    for (size_t t = 0; t < count; ++t) acc[t] = _mm512_setzero_ps();
+    for (size_t r = 0; r < rank; ++r) {
+      __m512 b_row = _mm512_loadu_ps(bs + r * out + o);
+      for (size_t t = 0; t < count; ++t) acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(low[t][r]), b_row, acc[t]);
+    }
+    for (size_t t = 0; t < count; ++t) _mm512_storeu_ps(ys + t * out + o, acc[t]);
+  }
+}

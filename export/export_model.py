@@ -33,7 +33,7 @@ from kiln.runtime.contract import (
 )
 from kiln.runtime.errors import ExportError
 
-from . import cpu_attention
+from . import cpu_attention, lora_kernel
 from .cpu_kernels import OBJECT_FILE, build_object, row_matmul_kernel, support_problem
 from .exporter import TORCH_DTYPES, trace_module
 from .options import ExportOptions
@@ -156,7 +156,9 @@ def build_model(checkpoint: Checkpoint, options: ExportOptions) -> PagedLlama | 
         mode = FLOAT32 if options.quantize == "none" and options.dtype == "float32" else options.quantize
         model = quantize_model(model, mode, row_matmul_kernel, checkpoint.blocks).eval()
     if options.lora_slots:  # after quantizing: the adapters' deltas stay float32 beside any storage
-        model.lora_inputs = attach_lora(model, options.lora_modules)
+        features = list(lora_shapes(checkpoint.config, options.lora_modules).values())
+        in_place = options.cpu_kernels and lora_kernel.supports(features, options.lora_rank)
+        model.lora_inputs = attach_lora(model, options.lora_modules, lora_kernel.lora_delta if in_place else None)
     return model
 
 

@@ -1,12 +1,14 @@
 """LoRA adapters applied per row inside the compiled functions (punica's and S-LoRA's batched
 LoRA): each adapted linear layer adds (x · A[slot]ᵀ) · B[slot]ᵀ to its output, where `slot` is
 the row's adapter slot and A, B the stacked weights of every slot (runtime/lora/weights.py's
-layout: A [layers, slots + 1, rank, in], B [layers, slots + 1, out, rank], slot 0 zeros).
+layout: A [layers, slots + 1, rank, in], Bᵀ [layers, slots + 1, rank, out], slot 0 zeros).
 
 The slots and the stacked weights are the functions' arguments, not parameters, so an adapter is
 loaded by writing its slot: no recompile. `attach_lora` wraps a built model's target layers (after
 quantization: the delta runs in float32 beside whatever the base layer stores) around one shared
-`LoraInputs`, which each traced function binds to its arguments before running the model.
+`LoraInputs`, which each traced function binds to its arguments before running the model. An
+export with the CPU kernels gives the layers a kernel reading each row's slot in place
+(export/lora_kernel.py); the model's own form gathers every row's weights.
 """
 
 from __future__ import annotations
@@ -31,23 +33,31 @@ class LoraInputs:
         self.weights = {m: (stacked[2 * i], stacked[2 * i + 1]) for i, m in enumerate(self.modules)}
 
 
-class LoraLinear(nn.Module):
-    """`base` (a linear layer of any storage) plus its row's adapter's delta."""
+def gathered_delta(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """x [N, T, in] -> float32 [N, T, out]: each row through its slot's A [slots, rank, in] then
+    Bᵀ [slots, rank, out], the rows' weights gathered out of the stacks."""
+    low = torch.matmul(x.float(), a[slots].transpose(1, 2))  # [N, T, r]
+    return torch.matmul(low, b_t[slots])
 
-    def __init__(self, base: nn.Module, inputs: LoraInputs, layer: int, module: str):
+
+class LoraLinear(nn.Module):
+    """`base` (a linear layer of any storage) plus its row's adapter's delta; `delta_kernel`, when
+    given, computes it from the stacked weights whole (export/lora_kernel.py's contract)."""
+
+    def __init__(self, base: nn.Module, inputs: LoraInputs, layer: int, module: str, delta_kernel=None):
         super().__init__()
         self.base = base
         self.inputs = inputs
         self.layer = layer
         self.module = module
+        self.delta_kernel = delta_kernel
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, T, in] -> [N, T, out]: each row through its slot's A then B."""
-        a, b = self.inputs.weights[self.module]
-        slots = self.inputs.slots
-        a_rows, b_rows = a[self.layer][slots], b[self.layer][slots]  # [N, r, in], [N, out, r]
-        low = torch.matmul(x.float(), a_rows.transpose(1, 2))  # [N, T, r]
-        return torch.matmul(low, b_rows.transpose(1, 2)).to(x.dtype)
+        a, b_t = self.inputs.weights[self.module]
+        if self.delta_kernel is not None:
+            return self.delta_kernel(x.float(), a, b_t, self.inputs.slots, self.layer).to(x.dtype)
+        return gathered_delta(x, a[self.layer], b_t[self.layer], self.inputs.slots).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.base(x) + self.delta(x)
@@ -57,16 +67,17 @@ class LoraLinear(nn.Module):
         return self.base.weight
 
 
-def attach_lora(model: nn.Module, modules: tuple[str, ...]) -> LoraInputs:
-    """Wrap each decoder layer's `modules` (of TARGET_MODULES) in a LoraLinear, in place; the
-    inputs they share, for the traced functions to bind."""
+def attach_lora(model: nn.Module, modules: tuple[str, ...], delta_kernel=None) -> LoraInputs:
+    """Wrap each decoder layer's `modules` (of TARGET_MODULES) in a LoraLinear (computing its
+    delta through `delta_kernel` where given), in place; the inputs they share, for the traced
+    functions to bind."""
     inputs = LoraInputs(tuple(modules))
     for index, layer in enumerate(model.model.layers):
         for block in (layer.self_attn, layer.mlp):
             for name in modules:
                 base = getattr(block, name, None)
                 if base is not None:
-                    setattr(block, name, LoraLinear(base, inputs, index, name))
+                    setattr(block, name, LoraLinear(base, inputs, index, name, delta_kernel))
     return inputs
 
 
@@ -81,9 +92,9 @@ def lora_shapes(config, modules: tuple[str, ...]) -> dict[str, tuple[int, int]]:
 
 
 def stacked_lora_examples(config, modules: tuple[str, ...], slots: int, rank: int) -> list[torch.Tensor]:
-    """Zero tensors of the stacked weights' shapes, A then B per module: the traced examples."""
+    """Zero tensors of the stacked weights' shapes, A then Bᵀ per module: the traced examples."""
     out = []
     for fin, fout in lora_shapes(config, modules).values():
         out += [torch.zeros(config.num_hidden_layers, slots + 1, rank, fin),
-                torch.zeros(config.num_hidden_layers, slots + 1, fout, rank)]
+                torch.zeros(config.num_hidden_layers, slots + 1, rank, fout)]
     return out

@@ -126,6 +126,14 @@ def tiny_lora_artifacts(tiny_hf_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_lora_kernel_artifacts(tiny_hf_dir, tmp_path_factory) -> Path:
+    """The LoRA build with the CPU kernels: each row's adapter applied by the kernel reading its slot in place."""
+    return _export_and_compile(tiny_hf_dir, tmp_path_factory.mktemp("tiny-lora-kernel-artifacts"),
+                               [*TINY_EXPORT_ARGS, "--max-loras", "2", "--max-lora-rank", "8",
+                                "--lora-target-modules", "q_proj,v_proj,o_proj,down_proj", "--cpu-kernels"])
+
+
+@pytest.fixture(scope="session")
 def tiny_gguf_artifacts(tiny_gguf, tmp_path_factory) -> Path:
     """The same tiny model, from its GGUF form."""
     return _export_and_compile(tiny_gguf, tmp_path_factory.mktemp("tiny-gguf-artifacts"))

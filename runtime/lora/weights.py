@@ -1,6 +1,6 @@
 """Every slot's adapter weights, stacked as the compiled functions take them: per adapted module,
-A [layers, slots + 1, max_rank, in] and B [layers, slots + 1, out, max_rank] (slot 0 all zeros: the
-base model). An adapter of a lower rank is zero-padded, which adds nothing; a module it does not
+A [layers, slots + 1, max_rank, in] and Bᵀ [layers, slots + 1, max_rank, out] (slot 0 all zeros:
+the base model; B transposed, so the kernel sums whole rows of it). An adapter of a lower rank is zero-padded, which adds nothing; a module it does not
 adapt stays zero."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ class StackedLoraWeights:
         self.shapes = shapes
         self.a = {m: np.zeros((shapes.layers, slots + 1, shapes.max_rank, fin), np.float32)
                   for m, (fin, _) in shapes.modules.items()}
-        self.b = {m: np.zeros((shapes.layers, slots + 1, fout, shapes.max_rank), np.float32)
+        self.b = {m: np.zeros((shapes.layers, slots + 1, shapes.max_rank, fout), np.float32)
                   for m, (_, fout) in shapes.modules.items()}
 
     def write(self, slot: int, adapter: LoraAdapter) -> None:
@@ -25,7 +25,7 @@ class StackedLoraWeights:
         self.clear(slot)
         for (layer, module), (a, b) in adapter.weights.items():
             self.a[module][layer, slot, : a.shape[0]] = a
-            self.b[module][layer, slot, :, : b.shape[1]] = b
+            self.b[module][layer, slot, : b.shape[1]] = b.T
 
     def clear(self, slot: int) -> None:
         for module in self.a:
@@ -35,4 +35,4 @@ class StackedLoraWeights:
     def delta(self, slot: int, layer: int, module: str, x: np.ndarray) -> np.ndarray:
         """What slot's adapter adds to `module`'s output for inputs x [..., in] (the reference the
         compiled functions are tested against)."""
-        return (x @ self.a[module][layer, slot].T) @ self.b[module][layer, slot].T
+        return (x @ self.a[module][layer, slot].T) @ self.b[module][layer, slot]

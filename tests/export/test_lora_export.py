@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from kiln.export import cpu_kernels
 from kiln.export.options import ExportOptions
 from kiln.models.llama import PagedLlama
 from kiln.runtime.contract import Artifacts
@@ -27,8 +28,14 @@ def random_adapter(shapes: LoraShapes, rank: int, seed: int) -> LoraAdapter:
     return LoraAdapter(f"a{seed}", None, rank, 1.0, weights)
 
 
-def test_each_row_gets_the_logits_of_its_adapter_merged(tiny_lora_artifacts, tiny_checkpoint):
-    program = Program(Artifacts.in_directory(tiny_lora_artifacts), "local-task", "auto")
+@pytest.mark.parametrize("build", ["gathered", "kernel"])
+def test_each_row_gets_the_logits_of_its_adapter_merged(build, request, tiny_checkpoint):
+    """Both forms of the delta: the model's own (every row's weights gathered) and the CPU kernel's
+    (each row's slot read in place, nothing for a row without an adapter)."""
+    if build == "kernel" and cpu_kernels.support_problem():
+        pytest.skip(cpu_kernels.support_problem())
+    artifacts = request.getfixturevalue("tiny_lora_artifacts" if build == "gathered" else "tiny_lora_kernel_artifacts")
+    program = Program(Artifacts.in_directory(artifacts), "local-task", "auto")
     abi = program.capabilities
     shapes = LoraShapes(abi.lora_layers, abi.lora_rank, {name: (fin, fout) for name, fin, fout in abi.lora_modules})
     adapters = {1: random_adapter(shapes, 8, 1), 2: random_adapter(shapes, 3, 2)}  # rank 3 is zero-padded to 8
