@@ -1,7 +1,7 @@
-"""What an int8 KV cache (`--kv-cache-dtype int8`) costs and saves against the float32 cache, on
-the bundled SmolLM2 as `kiln serve` builds it (Q4_1 weights, Kiln's CPU kernels):
+"""What the byte KV caches (`--kv-cache-dtype int8`, `fp8_e4m3`) cost and save against the float32
+cache, on the bundled SmolLM2 as `kiln serve` builds it (Q4_1 weights, Kiln's CPU kernels):
 
-    python -m benchmarks.kv_cache_bench [--rounds 2] [--output FILE]
+    python -m benchmarks.kv_cache_bench [--rounds 2] [--caches int8,fp8_e4m3] [--output FILE]
 
 - cache bytes per token, from each build's page size;
 - mean log-probability of 2,048 tokens of English prose (this repository's docs, the prompt's own
@@ -30,8 +30,9 @@ import numpy as np
 
 from benchmarks.kiln_offline import build_in_child
 
-# Each cache's `--kv-cache-dtype` ("": the model's own float32, the build the tests share).
-CACHES = {"float32": "", "int8": "int8"}
+# Each cache's `--kv-cache-dtype` ("": the model's own float32, the build the tests share); every
+# run measures the float32 cache beside the byte caches it is asked for.
+CACHES = {"float32": "", "int8": "int8", "fp8_e4m3": "fp8_e4m3"}
 SCORED_TOKENS, CONTEXT, TOKENS, BATCHES = 2048, 4000, 64, (1, 4)
 HERE = Path(__file__).resolve().parent.parent
 
@@ -96,14 +97,19 @@ def page_bytes(artifacts: Path) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--caches", default="int8,fp8_e4m3", help="the byte caches to measure, comma-separated")
     parser.add_argument("--output", type=Path)
     parser.add_argument("--measure", nargs=2, help=argparse.SUPPRESS)  # artifacts, what: a child's part
     args = parser.parse_args()
     if args.measure:
         print(json.dumps({"value": measure(Path(args.measure[0]), args.measure[1])}))
         return 0
-    builds = {cache: build_in_child(f"replace(default_build_options(), kv_cache_dtype={flag!r})")
-              for cache, flag in CACHES.items()}
+    caches = ["float32", *args.caches.split(",")]
+    if unknown := set(caches) - set(CACHES):
+        parser.error(f"unknown caches {sorted(unknown)}: choose from {', '.join(list(CACHES)[1:])}")
+    builds = {cache: build_in_child(f"replace(default_build_options(), kv_cache_dtype={CACHES[cache]!r})")
+              for cache in caches}
+    byte_caches = caches[1:]
 
     def child(cache: str, what: str) -> float:
         done = subprocess.run([sys.executable, "-m", "benchmarks.kv_cache_bench", "--measure", str(builds[cache]),
@@ -112,19 +118,22 @@ def main() -> int:
 
     stride = 16
     result: dict = {"context": CONTEXT, "tokens": TOKENS, "scored_tokens": SCORED_TOKENS,
-                    "bytes_per_token": {cache: page_bytes(builds[cache]) / stride for cache in CACHES}}
-    result["bytes_ratio"] = round(result["bytes_per_token"]["int8"] / result["bytes_per_token"]["float32"], 4)
-    logprobs = {cache: child(cache, "logprob") for cache in CACHES}
+                    "bytes_per_token": {cache: page_bytes(builds[cache]) / stride for cache in caches}}
+    per_token = result["bytes_per_token"]
+    result["bytes_ratio"] = {cache: round(per_token[cache] / per_token["float32"], 4) for cache in byte_caches}
+    logprobs = {cache: child(cache, "logprob") for cache in caches}
     result["mean_logprob"] = {cache: round(value, 5) for cache, value in logprobs.items()}
-    result["mean_logprob_change"] = round(abs(logprobs["int8"] / logprobs["float32"] - 1), 5)
-    decode: dict[str, dict[str, list[float]]] = {f"batch {b}": {cache: [] for cache in CACHES} for b in BATCHES}
+    result["mean_logprob_change"] = {cache: round(abs(logprobs[cache] / logprobs["float32"] - 1), 5)
+                                     for cache in byte_caches}
+    decode: dict[str, dict[str, list[float]]] = {f"batch {b}": {cache: [] for cache in caches} for b in BATCHES}
     for index in range(args.rounds):
         for batch in BATCHES:
-            for cache in (list(CACHES) if index % 2 == 0 else list(CACHES)[::-1]):
+            for cache in (caches if index % 2 == 0 else caches[::-1]):
                 decode[f"batch {batch}"][cache].append(round(child(cache, f"decode{batch}"), 1))
     result["decode_tok_s"] = decode
-    result["decode_ratio_int8_to_float32"] = {
-        key: round(statistics.median(v["int8"]) / statistics.median(v["float32"]), 3) for key, v in decode.items()}
+    result["decode_ratio_to_float32"] = {
+        cache: {key: round(statistics.median(v[cache]) / statistics.median(v["float32"]), 3) for key, v in decode.items()}
+        for cache in byte_caches}
     output = args.output or HERE / "benchmarks" / "results" / f"kv-cache-{date.today().isoformat()}.json"
     output.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

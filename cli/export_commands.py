@@ -12,7 +12,7 @@ from kiln.runtime.config import DTYPES, KV_CACHE_DTYPES, QUANTIZE_CHOICES
 from kiln.runtime.contract import CONFIG_FILE, PARAMETERS_FILE, TARGETS, TOKENIZER_FILE, vmfb_file
 from kiln.runtime.errors import ExportError
 
-from .model_args import positive_int
+from .model_args import kv_cache_dtype, positive_int
 
 
 def _log(line: str) -> None:
@@ -67,9 +67,10 @@ def add_export_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seq-len", type=positive_int, default=defaults.max_seq_len,
                         help="longest sequence (default: model context, at most 8192)")
     parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
-    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=defaults.kv_cache_dtype,
-                        help="the KV cache's element type (default: --dtype); float16 halves its bytes, int8 (a "
-                        "scale per token and head) stores about a quarter of float32's")
+    parser.add_argument("--kv-cache-dtype", type=kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                        default=defaults.kv_cache_dtype,
+                        help="the KV cache's element type (default: --dtype); float16 halves its bytes, int8 or "
+                        "fp8_e4m3 (also called fp8; a scale per token and head) store about a quarter of float32's")
     parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=defaults.quantize,
                         help="store the weight matmuls' weights as bf16, int8 with a scale per output row, or "
                         "int8 in Q8_0's blocks of 32 (activations and KV cache stay float32; needs --dtype "

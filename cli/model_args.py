@@ -10,13 +10,18 @@ import argparse
 import sys
 from pathlib import Path
 
-from kiln.runtime.config import DTYPES, KV_CACHE_DTYPES, QUANTIZE_CHOICES
+from kiln.runtime.config import DTYPES, KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES, QUANTIZE_CHOICES
 from kiln.runtime.lora.adapter import TARGET_MODULES as LORA_MODULES
 from kiln.runtime.errors import KilnError
 
 
 class ModelChoiceError(KilnError):
     """Conflicting or incomplete model arguments."""
+
+
+def kv_cache_dtype(text: str) -> str:
+    """A --kv-cache-dtype value by Kiln's name or another server's (vLLM's "fp8")."""
+    return KV_CACHE_DTYPE_ALIASES.get(text, text)
 
 
 def positive_int(text: str) -> int:
@@ -41,9 +46,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        "build (export + compile) on first use")
     group.add_argument("--dtype", choices=DTYPES, default=DTYPES[0],
                        help="with --model or the default model: the dtype to build")
-    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="",
+    group.add_argument("--kv-cache-dtype", type=kv_cache_dtype, choices=KV_CACHE_DTYPES, default="",
                        help="with --model or the default model: the KV cache's element type (default: --dtype; "
-                       "int8: about a quarter of float32's bytes, a scale per token and head)")
+                       "int8 or fp8_e4m3, also called fp8: about a quarter of float32's bytes, a scale per token "
+                       "and head)")
     group.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=QUANTIZE_CHOICES[0],
                        help="with --model or the default model, how the weight matmuls are stored (activations "
                        "and the KV cache stay float32): none: float32; bf16; int8: 8 bits with a scale per output "

@@ -29,10 +29,13 @@ from .custom_ops import KILN_LIBRARY, emit_function
 KEYS_PER_VECTOR = 16
 MAX_GROUP = 16
 MAX_HEAD_DIM = 256
+# cpu_kernels.c's entry points: the float32 cache's, and each byte format's.
+FLOAT_KERNEL_SYMBOL = "kiln_paged_decode_attention"
+BYTE_KERNEL_SYMBOLS = {"int8": "kiln_paged_decode_attention_i8", "fp8_e4m3": "kiln_paged_decode_attention_fp8"}
 
 
 def supports(config: LlamaConfig, block_seq_stride: int, cache_dtype: str) -> bool:
-    """Whether the kernel serves this model's decode attention: a float32 or int8 cache, pages of
+    """Whether the kernel serves this model's decode attention: a float32 or byte cache, pages of
     whole vectors of keys, a head of whole vectors of channels, and a query group the kernel holds."""
     group = config.num_attention_heads // config.num_key_value_heads
     return (cache_dtype in KERNELS and block_seq_stride % KEYS_PER_VECTOR == 0
@@ -57,39 +60,39 @@ def eager_decode_attention(q, key_pages, pages, visible, value_pages=None):
     return (weights @ values).reshape(n, heads, head_dim)
 
 
-def dequantized_pages(key_pages: torch.Tensor, page_blocks: int, value_blocks: int):
-    """An int8 cache's blocks (key_pages [X, D, stride], pages of `page_blocks` blocks whose first
-    `value_blocks` are K and V blocks, the rest their scales) as float32 K pages [X, D, stride] and
-    V pages [X, stride, D], every value block read both ways; a scale block's are 0."""
+def dequantized_pages(key_pages: torch.Tensor, page_blocks: int, value_blocks: int, fmt: str = "int8"):
+    """A byte cache's blocks (key_pages [X, D, stride], int8 bytes of format `fmt`, pages of
+    `page_blocks` blocks whose first `value_blocks` are K and V blocks, the rest their scales) as
+    float32 K pages [X, D, stride] and V pages [X, stride, D], every value block read both ways; a
+    scale block's are 0."""
     count, head_dim, stride = key_pages.shape
     block = torch.arange(count)
     page, local = block // page_blocks, block % page_blocks
     rows = key_pages.reshape(-1, KV_SCALE_BYTES * stride)
     row = (page * page_blocks + value_blocks) * (head_dim // KV_SCALE_BYTES) + local.clamp(max=value_blocks - 1)
     scales = kv_quant.scales(rows[row].view(count, stride, KV_SCALE_BYTES)) * (local < value_blocks).view(-1, 1)
-    values = key_pages.float()
+    values = kv_quant.values(key_pages, fmt)
     return values * scales.unsqueeze(1), values.view(count, stride, head_dim) * scales.unsqueeze(-1)
 
 
 def _decode_attention_text(name: str, rows: int, heads: int, kv_heads: int, head_dim: int, stride: int,
-                           int8_page: tuple[int, int] | None = None) -> str:
-    """A module holding the kernel's executable and `name`, which dispatches it on q [rows, heads,
-    head_dim], the cache's K pages [?, head_dim, stride] (the whole buffer: float32, or int8 whose
-    pages hold `int8_page` = (blocks a page, of them value blocks)), the page table [rows,
+                           byte_page: tuple[int, int] | None = None, kernel: str = FLOAT_KERNEL_SYMBOL) -> str:
+    """A module holding the kernel's executable and `name`, which dispatches `kernel` on q [rows, heads,
+    head_dim], the cache's K pages [?, head_dim, stride] (the whole buffer: float32, or bytes whose
+    pages hold `byte_page` = (blocks a page, of them value blocks)), the page table [rows,
     kv_heads, ?] and the visible key counts [rows], for the output [rows, heads, head_dim]. Every
     size reaches the kernel as an operand, so the executables of all shapes have one body."""
-    element = "f32" if int8_page is None else "i8"
+    element = "f32" if byte_page is None else "i8"
     f32, i64, cache_memref = "memref<?xf32>", "memref<?xi64>", f"memref<?x{element}>"
     q_elems = rows * heads * head_dim
     pages_type, table_type = f"tensor<?x{head_dim}x{stride}x{element}>", f"tensor<{rows}x{kv_heads}x?xi64>"
     q_type = f"tensor<{rows}x{heads}x{head_dim}xf32>"
-    kernel = "kiln_paged_decode_attention" + ("" if int8_page is None else "_i8")
-    # The int8 kernel's page shape: two more operands, before the workgroup.
-    extra = [] if int8_page is None else ["%page_blocks", "%value_blocks"]
+    # A byte cache's page shape: two more operands, before the workgroup.
+    extra = [] if byte_page is None else ["%page_blocks", "%value_blocks"]
     extra_params = "".join(f", {e}: index" for e in extra)
     extra_args = "".join(f", {e}" for e in extra)
     extra_types = ", index" * len(extra)
-    extra_constants = "".join(f"\n  {e} = arith.constant {v} : index" for e, v in zip(extra, int8_page or ()))
+    extra_constants = "".join(f"\n  {e} = arith.constant {v} : index" for e, v in zip(extra, byte_page or ()))
     return f"""module {{
 {executable_header(name, "paged_decode_attention", per_workgroup=1)}
   builtin.module {{
@@ -178,24 +181,23 @@ class paged_decode_attention(CustomOp):
         emit_function(kb, name, _decode_attention_text(name, rows, heads, kv_heads, head_dim, stride))
 
 
-@CustomOp.register(library=KILN_LIBRARY)
-class paged_decode_attention_int8(CustomOp):
-    """paged_decode_attention over an int8 cache: key_pages [X, D, stride] int8, its pages of
-    `page_blocks` blocks each keeping their first `value_blocks`' scales in the rest
-    (models/llama.py's CachePages)."""
+class _ByteCacheAttention(CustomOp):
+    """paged_decode_attention over a byte cache of FORMAT (models/kv_quant.py): key_pages [X, D,
+    stride] int8 bytes, its pages of `page_blocks` blocks each keeping their first `value_blocks`'
+    scales in the rest (models/llama.py's CachePages)."""
 
-    signature = ("paged_decode_attention_int8(Tensor q, Tensor key_pages, Tensor pages, Tensor visible, "
-                 "int page_blocks, int value_blocks) -> Tensor")
+    FORMAT = ""
 
     def select(self, ksel: KernelSelection):
         q, key_pages, pages, visible = (ksel.arg_tensor(i) for i in range(4))
         ksel.attr_int(4)
         ksel.attr_int(5)
+        name = self.name
         torch._check(q.t.dtype == torch.float32 and key_pages.t.dtype == torch.int8 and q.t.dim() == 3
                      and key_pages.t.dim() == 3,
-                     lambda: "paged_decode_attention_int8: float32 q [N, H, D] and int8 key pages [X, D, stride]")
+                     lambda: f"{name}: float32 q [N, H, D] and int8 key pages [X, D, stride]")
         torch._check(pages.t.dtype == visible.t.dtype == torch.int64 and pages.t.dim() == 3 and visible.t.dim() == 1,
-                     lambda: "paged_decode_attention_int8: int64 pages [N, Hkv, B] and visible [N]")
+                     lambda: f"{name}: int64 pages [N, Hkv, B] and visible [N]")
         q.specialize_dims(0, 1, 2)
         key_pages.specialize_dims(1, 2)
         pages.specialize_dims(0, 1)
@@ -203,7 +205,7 @@ class paged_decode_attention_int8(CustomOp):
         ksel.return_new_tensor(list(q.t.shape), torch.float32).specialize_dims(0, 1, 2)
 
     def eager_execute(self, q, key_pages, pages, visible, page_blocks, value_blocks):
-        keys, values = dequantized_pages(key_pages, page_blocks, value_blocks)
+        keys, values = dequantized_pages(key_pages, page_blocks, value_blocks, self.FORMAT)
         return eager_decode_attention(q, keys, pages, visible, values)
 
     def generate(self, ksel: KernelSelection, kb: KernelBuilder):
@@ -211,9 +213,25 @@ class paged_decode_attention_int8(CustomOp):
         stride = ir.RankedTensorType(kb.arg_bindings[1].type).shape[2]
         kv_heads = ir.RankedTensorType(kb.arg_bindings[2].type).shape[1]
         page = (ksel.arg_descs[4].v, ksel.arg_descs[5].v)
-        name = f"kiln_paged_decode_attention_i8_{rows}x{heads}x{kv_heads}x{head_dim}x{stride}_{page[0]}x{page[1]}"
-        emit_function(kb, name, _decode_attention_text(name, rows, heads, kv_heads, head_dim, stride, page))
+        kernel = BYTE_KERNEL_SYMBOLS[self.FORMAT]
+        name = f"{kernel}_{rows}x{heads}x{kv_heads}x{head_dim}x{stride}_{page[0]}x{page[1]}"
+        emit_function(kb, name, _decode_attention_text(name, rows, heads, kv_heads, head_dim, stride, page, kernel))
+
+
+@CustomOp.register(library=KILN_LIBRARY)
+class paged_decode_attention_int8(_ByteCacheAttention):
+    FORMAT = "int8"
+    signature = ("paged_decode_attention_int8(Tensor q, Tensor key_pages, Tensor pages, Tensor visible, "
+                 "int page_blocks, int value_blocks) -> Tensor")
+
+
+@CustomOp.register(library=KILN_LIBRARY)
+class paged_decode_attention_fp8_e4m3(_ByteCacheAttention):
+    FORMAT = "fp8_e4m3"
+    signature = ("paged_decode_attention_fp8_e4m3(Tensor q, Tensor key_pages, Tensor pages, Tensor visible, "
+                 "int page_blocks, int value_blocks) -> Tensor")
 
 
 # The kernel op for each cache element type it reads.
-KERNELS = {"float32": paged_decode_attention, "int8": paged_decode_attention_int8}
+KERNELS = {"float32": paged_decode_attention, "int8": paged_decode_attention_int8,
+           "fp8_e4m3": paged_decode_attention_fp8_e4m3}

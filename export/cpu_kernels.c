@@ -545,16 +545,30 @@ static inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-/* The int8 cache's form (models/kv_quant.py, models/llama.py's CachePages): its blocks are int8,
- * K^T or V as above, and a page of `page_blocks` blocks ends in scale blocks after its first
- * `value_blocks`: value block i's scales, one bfloat16 per key, are the i-th run of 2 * stride
- * bytes there. A chunk's scores take its keys' scales after the int8 dot products; the value
- * weights take the values' scales before the sum. A quarter of float32's bytes are read, each
- * widened to float32 as it is loaded. */
+/* The byte caches' forms (models/kv_quant.py, models/llama.py's CachePages): their blocks hold a
+ * byte a value, int8 or fp8 e4m3 (OCP's e4m3fn), K^T or V as above, and a page of `page_blocks`
+ * blocks ends in scale blocks after its first `value_blocks`: value block i's scales, one bfloat16
+ * per key, are the i-th run of 2 * stride bytes there. A chunk's scores take its keys' scales after
+ * the dot products; the value weights take the values' scales before the sum. A quarter of
+ * float32's bytes are read, each widened to float32 as it is loaded. */
+enum { CACHE_FLOAT32 = 0, CACHE_INT8 = 1, CACHE_FP8_E4M3 = 2 };
+
 __attribute__((target("avx512f")))
 static inline __m512 load_i8_ps(const int8_t *p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
+
+/* 16 e4m3 bytes as float32, 2**-8 times their values: a byte's sign and other 7 bits moved into a
+ * float16's sign and exponent/mantissa fields (e4m3's exponent bias is 8 below float16's), which
+ * the hardware widens, subnormals included. The 2**8 is folded into the scales. */
+__attribute__((target("avx512f")))
+static inline __m512 load_fp8_ps(const int8_t *p) {
+  __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+  __m256i sign = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x80)), 8);
+  __m256i rest = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x7f)), 7);
+  return _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
+}
+#define FP8_UNIT 256.f
 
 /* 16 bfloat16 bit patterns, widened to float32 by moving them to the high half. */
 __attribute__((target("avx512f")))
@@ -562,14 +576,15 @@ static inline __m512 load_bf16_scales(const int8_t *p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-/* 16 values of a block at element `at`: float32, or int8 widened. */
+/* 16 values of a block at element `at`: float32, or bytes widened. */
 __attribute__((target("avx512f"), always_inline))
 static inline __m512 load_keys(const void *block, size_t at, int quantized) {
+  if (quantized == CACHE_FP8_E4M3) return load_fp8_ps((const int8_t *)block + at);
   return quantized ? load_i8_ps((const int8_t *)block + at) : _mm512_loadu_ps((const float *)block + at);
 }
 
-/* One workgroup's (row, K/V head) of either cache: `quantized` is a constant at each call, so
- * each entry point below compiles its own loop. */
+/* One workgroup's (row, K/V head) of any cache: `quantized` (a CACHE_* form) is a constant at each
+ * call, so each entry point below compiles its own loop. */
 __attribute__((target("avx512f"), always_inline))
 static inline void paged_decode_attention(const float *q, const void *cache, size_t cache_size, const int64_t *pages,
                                           const int64_t *visible, float *out, size_t heads, size_t kv_heads,
@@ -615,6 +630,10 @@ static inline void paged_decode_attention(const float *q, const void *cache, siz
       const int8_t *scales = (const int8_t *)cache + (page_start + value_blocks) * block;
       k_scales = load_bf16_scales(scales + ((size_t)page - page_start) * 2 * stride + 2 * slot);
       v_scales = load_bf16_scales(scales + ((size_t)page - page_start + kv_heads) * 2 * stride + 2 * slot);
+      if (quantized == CACHE_FP8_E4M3) {
+        k_scales = _mm512_mul_ps(k_scales, _mm512_set1_ps(FP8_UNIT));
+        v_scales = _mm512_mul_ps(v_scales, _mm512_set1_ps(FP8_UNIT));
+      }
     }
     float weights[ATTENTION_MAX_GROUP][ATTENTION_KEYS];
     for (size_t g = 0; g < group; ++g) {
@@ -660,19 +679,23 @@ void kiln_paged_decode_attention(MEMREF_F32(q), MEMREF_F32(cache), MEMREF_I64(pa
   ATTENTION_OPERANDS_AT_OFFSETS();
   paged_decode_attention(q + q_offset, cache + cache_offset, cache_size, pages + pages_offset,
                          visible + visible_offset, out + out_offset, heads, kv_heads, head_dim, stride, blocks,
-                         workgroup, 0, 0, 0);
+                         workgroup, CACHE_FLOAT32, 0, 0);
 }
 
-__attribute__((target("avx512f")))
-void kiln_paged_decode_attention_i8(MEMREF_F32(q), MEMREF_I8(cache), MEMREF_I64(pages), MEMREF_I64(visible),
-                                    float *out_allocated, float *restrict out, size_t out_offset, size_t out_size,
-                                    size_t out_stride, size_t heads, size_t kv_heads, size_t head_dim, size_t stride,
-                                    size_t blocks, size_t page_blocks, size_t value_blocks, size_t workgroup) {
-  ATTENTION_OPERANDS_AT_OFFSETS();
-  paged_decode_attention(q + q_offset, cache + cache_offset, cache_size, pages + pages_offset,
-                         visible + visible_offset, out + out_offset, heads, kv_heads, head_dim, stride, blocks,
-                         workgroup, 1, page_blocks, value_blocks);
-}
+#define BYTE_CACHE_ATTENTION(symbol, form)                                                                \
+  __attribute__((target("avx512f")))                                                                     \
+  void symbol(MEMREF_F32(q), MEMREF_I8(cache), MEMREF_I64(pages), MEMREF_I64(visible), float *out_allocated, \
+              float *restrict out, size_t out_offset, size_t out_size, size_t out_stride, size_t heads,       \
+              size_t kv_heads, size_t head_dim, size_t stride, size_t blocks, size_t page_blocks,             \
+              size_t value_blocks, size_t workgroup) {                                                        \
+    ATTENTION_OPERANDS_AT_OFFSETS();                                                                      \
+    paged_decode_attention(q + q_offset, cache + cache_offset, cache_size, pages + pages_offset,          \
+                           visible + visible_offset, out + out_offset, heads, kv_heads, head_dim, stride,   \
+                           blocks, workgroup, form, page_blocks, value_blocks);                             \
+  }
+
+BYTE_CACHE_ATTENTION(kiln_paged_decode_attention_i8, CACHE_INT8)
+BYTE_CACHE_ATTENTION(kiln_paged_decode_attention_fp8, CACHE_FP8_E4M3)
 
 /* LoRA adapters applied per row (punica's BGMV): y[n, t] = (x[n, t] . A_s^T) . B_s for the row's
  * slot s = slots[n], reading the slot's weights where they lie in the stacked arguments, A

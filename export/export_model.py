@@ -26,8 +26,8 @@ from kiln.models.lora import attach_lora, lora_shapes
 from kiln.models.quantize import FLOAT32, quantize_model
 from kiln.models.registry import family_named
 from kiln.models.sharded_llama import ShardedPagedLlama
-from kiln.runtime.config import (KV_SCALE_BYTES, KilnParams, ModelParams, PagedKVCacheParams, save_model_config,
-                                 sidecar_path)
+from kiln.runtime.config import (BYTE_KV_CACHE_DTYPES, KV_SCALE_BYTES, KilnParams, ModelParams, PagedKVCacheParams,
+                                 save_model_config, sidecar_path)
 from kiln.runtime.contract import (
     CONFIG_FILE, DIFFUSION, MLIR_FILE, PARAMETER_SCOPE, PARAMETERS_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
 )
@@ -176,9 +176,9 @@ def export_model(checkpoint: Checkpoint, options: ExportOptions, output_dir: Pat
     if options.lora_slots and c.num_experts and {"gate_proj", "up_proj", "down_proj"} & set(options.lora_modules):
         raise ExportError("LoRA adapters on a mixture-of-experts model adapt its attention only: pass --lora-modules "
                           "from q_proj, k_proj, v_proj, o_proj")
-    if options.cache_dtype == "int8" and c.head_dim % KV_SCALE_BYTES:
-        raise ExportError(f"--kv-cache-dtype int8 keeps a page's scales in rows of half a head: it needs an even "
-                          f"head_dim, the model's is {c.head_dim}")
+    if options.cache_dtype in BYTE_KV_CACHE_DTYPES and c.head_dim % KV_SCALE_BYTES:
+        raise ExportError(f"--kv-cache-dtype {options.cache_dtype} keeps a page's scales in rows of half a head: it "
+                          f"needs an even head_dim, the model's is {c.head_dim}")
     if options.embedding_functions and checkpoint.embedding.unsupported:
         raise ExportError(f"--embeddings: this model's embeddings cannot be served as it defines them: "
                           f"{checkpoint.embedding.unsupported}")

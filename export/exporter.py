@@ -25,7 +25,8 @@ from kiln.runtime.contract import FunctionKind, argument_names, fixed_decode_nam
 
 from .options import ExportOptions
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8,
+                "fp8_e4m3": torch.float8_e4m3fn}
 
 
 def select_logits(model: PagedLlama, options: ExportOptions, h, start_pos, seq_lens, final_only=None):

@@ -31,7 +31,8 @@ class ExportOptions:
     # The KV cache's element type ("": the model's dtype). float16 under a float32 model
     # halves the cache's bytes, so twice the tokens fit (llama.cpp's default). Not faster
     # on IREE 3.13's CPU code: the page gather converts per element (benchmarks/NOTES.md).
-    # "int8" stores a quarter of float32's bytes and a scale per token and head (models/kv_quant.py).
+    # "int8" and "fp8_e4m3" store a quarter of float32's bytes and a scale per token and head
+    # (models/kv_quant.py).
     kv_cache_dtype: str = ""
     # How the weight matmuls store their weights (models/quantize.py): "none" (as dtype),
     # "bf16", "int8" with a scale per output row, "q8_0"/"q4_0"/"q4_1" blocks (a GGUF's own

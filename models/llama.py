@@ -12,8 +12,9 @@ sliding-window layers with their own rotary base (Gemma 2, 3).
 Cache layout (the export/runtime contract, docs/abi.md): `cache[pages, page_elems]`,
 each page `[layers, 2 (k, v), kv_heads, block_seq_stride * head_dim]`: a K block is stored
 transposed, `[head_dim, block_seq_stride]`, a V block as `[block_seq_stride, head_dim]` (see
-CachePages for why). An int8 cache's page then holds each block's scales, a token's in two bytes
-(models/kv_quant.py), in whole blocks. Only the model reads inside a page; the runtime counts pages.
+CachePages for why). A byte cache's page (int8, fp8) then holds each block's scales, a token's in
+two bytes (models/kv_quant.py), in whole blocks. Only the model reads inside a page; the runtime
+counts pages.
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ class Attention(nn.Module):
 
         q [N,H,T,D]; keys_t [N,Hkv,D,S] (transposed); values [N,Hkv,S,D]; bias
         [N,1,T,S] (0 where a query may look, a large negative number elsewhere);
-        S is a multiple of `block`; `scales`, an int8 cache's: each key's K and V scales
+        S is a multiple of `block`; `scales`, a byte cache's: each key's K and V scales
         ([N,Hkv,1,S] each), applied to the scores and to the weights. Why not SDPA: IREE lowers it to a fused attention
         op whose llvm-cpu code is ~10x slower than this at 512 tokens, and a softmax
         over one dynamic axis does not vectorize; viewed as [..., S/block, block], the
@@ -331,9 +332,13 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+# Cache element types whose contract name is not torch's.
+_CACHE_DTYPE_NAMES = {torch.float8_e4m3fn: "fp8_e4m3"}
+
+
 def cache_dtype_name(dtype: torch.dtype) -> str:
     """The contract's name of a cache element type (runtime/config.py's KV_CACHE_DTYPES)."""
-    return str(dtype).removeprefix("torch.")
+    return _CACHE_DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
 
 
 def index_pages(pages: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -536,22 +541,27 @@ class CachePages:
     right operand on llvm-cpu (16 keys per tile), so that gather is a plain copy; stored as
     [stride, D], each block was transposed element by element on the way.
 
-    An int8 cache's page ends in scale blocks: the scales of its value block i, 2 bytes a token,
-    are row i of them viewed [?, 2 * stride]. Kept apart from the values so both are gathered
-    whole: values sliced out of a gathered block fused into the attention matmul's producer, which
-    IREE 3.13's llvm-cpu code generation rejects ("no basis element may be statically
-    non-positive"). The scales apply to the scores and to the softmax weights, per key.
+    A byte cache's page (int8 or fp8 values, models/kv_quant.py) ends in scale blocks: the scales of
+    its value block i, 2 bytes a token, are row i of them viewed [?, 2 * stride]. The pages are
+    handled as int8 bytes whatever the format; `format` says how the values decode. Scales are kept
+    apart from the values so both are gathered whole: values sliced out of a gathered block fused
+    into the attention matmul's producer, which IREE 3.13's llvm-cpu code generation rejects ("no
+    basis element may be statically non-positive"). The scales apply to the scores and to the
+    softmax weights, per key.
     """
 
     def __init__(self, cache: torch.Tensor, layers: int, kv_heads: int, head_dim: int, stride: int):
         self.layers, self.kv_heads, self.head_dim, self.stride = layers, kv_heads, head_dim, stride
-        self.quantized = cache.dtype == torch.int8
+        self.format = cache_dtype_name(cache.dtype)
+        self.quantized = self.format in kv_quant.QMAX
+        self.value_blocks = layers * 2 * kv_heads
+        # Blocks of head_dim x stride elements per page, scale blocks included.
+        self.page_blocks = self.value_blocks + kv_scale_blocks(self.value_blocks, head_dim, self.format)
+        # Byte formats are stored and moved as int8 (torch has no scatter into float8 on the CPU).
+        cache = cache.view(torch.int8) if self.quantized else cache
         self.flat = cache.view(-1)
         self.key_pages = cache.view(-1, head_dim, stride)
         self.value_pages = cache.view(-1, stride, head_dim)
-        self.value_blocks = layers * 2 * kv_heads
-        # Blocks of head_dim x stride elements per page, scale blocks included.
-        self.page_blocks = self.value_blocks + kv_scale_blocks(self.value_blocks, head_dim, cache_dtype_name(cache.dtype))
         self.head = torch.arange(kv_heads).view(1, kv_heads, 1)
         self.key_dim_offset = (torch.arange(head_dim) * stride).view(1, 1, 1, head_dim)
         if self.quantized:
@@ -583,7 +593,7 @@ class CachePages:
         # windows and capped scores take the gathered path.
         if decode_attention is not None and q.shape[2] == 1 and not attn.sliding and attn.softcap is None:
             scaled = q[:, :, 0].float() * attn.scale
-            # An int8 cache's kernel also takes where a page keeps its scales.
+            # A byte cache's kernel also takes where a page keeps its scales.
             page = (self.page_blocks, self.value_blocks) if self.quantized else ()
             out = decode_attention(scaled, self.key_pages, read, step.visible, *page)  # [N,H,D]
             return attn.o_proj(out.reshape(n, 1, -1).to(q.dtype))
@@ -592,8 +602,8 @@ class CachePages:
 
     def write(self, key_block, slot, k, v):
         """Store k, v [N,Hkv,T,D] at `slot` [N,1,T] of blocks `key_block` [N,Hkv,T] (K) and
-        kv_heads blocks later (V): one K^T column and one V row per token; in an int8 cache, as
-        int8 with each token's scale in its scale row, in one scatter."""
+        kv_heads blocks later (V): one K^T column and one V row per token; in a byte cache, as bytes
+        with each token's scale in its scale row, in one scatter."""
         head_dim, stride = self.head_dim, self.stride
         value_block = key_block + self.kv_heads
         key_elems = (key_block * (head_dim * stride) + slot).unsqueeze(-1) + self.key_dim_offset  # [N,Hkv,T,D]
@@ -607,14 +617,14 @@ class CachePages:
         def scale_elems(block):  # [N,Hkv,T,2]
             return (self.scale_row_of(block) * row_bytes + slot * KV_SCALE_BYTES).unsqueeze(-1) + self.scale_byte
 
-        (k, k_scale), (v, v_scale) = kv_quant.quantize(k), kv_quant.quantize(v)
+        (k, k_scale), (v, v_scale) = kv_quant.quantize(k, self.format), kv_quant.quantize(v, self.format)
         elems = torch.cat((key_elems, scale_elems(key_block), value_elems, scale_elems(value_block)), dim=-1)
         self.flat.index_put_((elems,), torch.cat((k, k_scale, v, v_scale), dim=-1))
 
     def read(self, gather_pages, read, n: int, blocks: int):
         """keys_t [N,Hkv,D,B*stride] and values [N,Hkv,B*stride,D] of the K blocks `read`
-        [N,Hkv,B] and their V blocks, gathered; for an int8 cache, float32 of its int8 values and
-        the scales (K's, V's) of each key [N,Hkv,1,B*stride], else None."""
+        [N,Hkv,B] and their V blocks, gathered; for a byte cache, float32 of its values and the
+        scales (K's, V's) of each key [N,Hkv,1,B*stride], else None."""
         kv_heads, head_dim, stride = self.kv_heads, self.head_dim, self.stride
         keys_t = gather_pages(self.key_pages, read).permute(0, 1, 3, 2, 4).reshape(n, kv_heads, head_dim, blocks * stride)
         values = gather_pages(self.value_pages, read + kv_heads).view(n, kv_heads, blocks * stride, head_dim)
@@ -623,4 +633,4 @@ class CachePages:
         pairs = (n, kv_heads, blocks * stride, KV_SCALE_BYTES)
         scales = tuple(kv_quant.scales(gather_pages(self.scale_rows, self.scale_row_of(block)).view(pairs))
                        .unsqueeze(2) for block in (read, read + kv_heads))
-        return keys_t.float(), values.float(), scales
+        return kv_quant.values(keys_t, self.format), kv_quant.values(values, self.format), scales

@@ -21,15 +21,20 @@ _FORMER_KILN_FIELDS = {"model_name", "architecture", "bos_token_id", "dtype", "h
 
 # Element types of weights and of the KV cache an export may have.
 DTYPES = ("float32", "float16", "bfloat16")
-# The KV cache may also be stored as int8, with a scale per token and head (models/kv_quant.py):
-# a page keeps its scales after its K and V blocks, so the page pool and tiers move it whole.
-KV_CACHE_DTYPES = (*DTYPES, "int8")
-# Bytes an int8 cache keeps per token and head beside the values: a bfloat16 scale.
+# The KV cache may also be stored in a byte a value, with a scale per token and head
+# (models/kv_quant.py): int8, or fp8 e4m3 (OCP's e4m3fn, as torch.float8_e4m3fn and vLLM's
+# "fp8_e4m3" store it). A page keeps its scales after its K and V blocks, so the page pool and the
+# tiers move it whole.
+BYTE_KV_CACHE_DTYPES = ("int8", "fp8_e4m3")
+KV_CACHE_DTYPES = (*DTYPES, *BYTE_KV_CACHE_DTYPES)
+# Names other servers give these types, accepted on the command line (vLLM's "fp8" is e4m3).
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+# Bytes a byte cache keeps per token and head beside the values: a bfloat16 scale.
 KV_SCALE_BYTES = 2
 # The element type a cache's buffer crosses the ABI as. IREE 3.13's torch import cannot take an
-# integer tensor the function writes in place (it leaves the signed element type unconverted), so an
-# int8 cache travels as float16 of half as many elements, which the functions view as bytes.
-KV_STORAGE_DTYPES = {"int8": "float16"}
+# integer tensor the function writes in place (it leaves the signed element type unconverted), so a
+# byte cache travels as float16 of half as many elements, which the functions view as bytes.
+KV_STORAGE_DTYPES = {name: "float16" for name in BYTE_KV_CACHE_DTYPES}
 
 
 def kv_storage_dtype(kv_cache_dtype: str) -> str:
@@ -42,14 +47,15 @@ def kv_storage_elems(elems: int, kv_cache_dtype: str) -> int:
 
 
 def kv_scale_blocks(value_blocks: int, head_dim: int, kv_cache_dtype: str) -> int:
-    """Blocks (head_dim x stride elements) an int8 page adds after its `value_blocks` K and V blocks
-    for their scales, KV_SCALE_BYTES a token each, rounded up to whole blocks; 0 for a float cache."""
-    return -(-value_blocks * KV_SCALE_BYTES // head_dim) if kv_cache_dtype == "int8" else 0
+    """Blocks (head_dim x stride elements) a byte cache's page adds after its `value_blocks` K and V
+    blocks for their scales, KV_SCALE_BYTES a token each, rounded up to whole blocks; 0 for a float
+    cache."""
+    return -(-value_blocks * KV_SCALE_BYTES // head_dim) if kv_cache_dtype in BYTE_KV_CACHE_DTYPES else 0
 
 
 def kv_page_elems(layers: int, kv_heads: int, head_dim: int, block_seq_stride: int, kv_cache_dtype: str) -> int:
     """Elements of kv_cache_dtype in one page: layers x (K, V) x kv_heads blocks of stride x
-    head_dim, then an int8 cache's scale blocks."""
+    head_dim, then a byte cache's scale blocks."""
     blocks = layers * 2 * kv_heads
     return (blocks + kv_scale_blocks(blocks, head_dim, kv_cache_dtype)) * head_dim * block_seq_stride
 

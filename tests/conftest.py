@@ -171,6 +171,14 @@ def tiny_int8_kv_artifacts(tiny_hf_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_fp8_kv_artifacts(tiny_hf_dir, tmp_path_factory) -> Path:
+    """The tiny model with an fp8 e4m3 KV cache (asked for by vLLM's name, "fp8"), its decode
+    attention the CPU kernel reading it in place."""
+    return _export_and_compile(tiny_hf_dir, tmp_path_factory.mktemp("tiny-fp8-kv"),
+                               [*TINY_EXPORT_ARGS, "--kv-cache-dtype", "fp8", "--cpu-kernels"])
+
+
+@pytest.fixture(scope="session")
 def tiny_q8_0_artifacts(tiny_q8_0_gguf, tmp_path_factory) -> Path:
     """The tiny Q8_0 GGUF exported as it comes (`--quantize auto`: its own blocks)."""
     return _export_and_compile(tiny_q8_0_gguf, tmp_path_factory.mktemp("tiny-q8_0"))

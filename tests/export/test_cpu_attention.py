@@ -27,16 +27,18 @@ pytestmark = pytest.mark.skipif(cpu_kernels.support_problem() is not None, reaso
 
 
 def _compile_alone(directory, rows: int, heads: int, kv_heads: int, head_dim: int, stride: int,
-                   int8_page: tuple[int, int] | None = None):
-    """The kernel's dispatch behind a public function of q, the K pages (float32, or int8 with
-    pages of `int8_page` blocks), the page table and the visible counts, compiled as an export's
-    would be."""
+                   byte_page: tuple[int, int] | None = None, fmt: str = "int8"):
+    """The kernel's dispatch behind a public function of q, the K pages (float32, or bytes of
+    format `fmt` with pages of `byte_page` blocks), the page table and the visible counts, compiled
+    as an export's would be."""
     import iree.runtime as rt
 
     name = f"kiln_paged_decode_attention_{rows}x{heads}x{kv_heads}x{head_dim}x{stride}"
-    body = cpu_attention._decode_attention_text(name, rows, heads, kv_heads, head_dim, stride, int8_page).strip()
+    kernel = cpu_attention.FLOAT_KERNEL_SYMBOL if byte_page is None else cpu_attention.BYTE_KERNEL_SYMBOLS[fmt]
+    body = cpu_attention._decode_attention_text(name, rows, heads, kv_heads, head_dim, stride, byte_page,
+                                                kernel).strip()
     q_type = f"tensor<{rows}x{heads}x{head_dim}xf32>"
-    pages_type = f"tensor<?x{head_dim}x{stride}x{'f32' if int8_page is None else 'i8'}>"
+    pages_type = f"tensor<?x{head_dim}x{stride}x{'f32' if byte_page is None else 'i8'}>"
     table_type, visible_type = f"tensor<{rows}x{kv_heads}x?xi64>", f"tensor<{rows}xi64>"
     source = directory / "attention.mlir"
     source.write_text(f"""{body[:-1]}
@@ -142,20 +144,29 @@ def test_the_eager_twin_matches_the_gather_path(rows, heads, kv_heads, head_dim,
     assert not got[~live].any()
 
 
-def _int8_case(rows: int, heads: int, kv_heads: int, head_dim: int, stride: int, contexts: list[int], seed: int):
-    """_case for an int8 cache laid out as the model lays one layer out: pages of 2 * kv_heads
-    value blocks then their scale blocks; random int8 values over the whole range and a random
-    scale per key. Returns q, the int8 K pages [X, D, stride], the table, visible counts and the
-    page shape (blocks a page, value blocks)."""
+def _byte_case(rows: int, heads: int, kv_heads: int, head_dim: int, stride: int, contexts: list[int], seed: int,
+               fmt: str = "int8"):
+    """_case for a byte cache of format `fmt` laid out as the model lays one layer out: pages of 2 *
+    kv_heads value blocks then their scale blocks; random values over the format's whole range
+    (every e4m3 byte but its NaNs, subnormals included) and a random scale per key. Returns q, the
+    K pages [X, D, stride] as int8 bytes, the table, visible counts and the page shape (blocks a
+    page, value blocks)."""
     rng = np.random.default_rng(seed)
     blocks = max(1, -(-max(contexts) // stride))
     value_blocks = 2 * kv_heads
-    page_blocks = value_blocks + kv_scale_blocks(value_blocks, head_dim, "int8")
+    page_blocks = value_blocks + kv_scale_blocks(value_blocks, head_dim, fmt)
     cache_pages = rows * blocks + 3
-    key_pages = rng.integers(-127, 128, (cache_pages * page_blocks, head_dim, stride)).astype(np.int8)
+    shape = (cache_pages * page_blocks, head_dim, stride)
+    if fmt == "int8":
+        key_pages = rng.integers(-127, 128, shape).astype(np.int8)
+    else:
+        key_pages = rng.integers(-128, 127, shape).astype(np.int8)
+        key_pages[key_pages == -1] = 0  # 0x7f and 0xff are e4m3's NaNs
     scale_rows = key_pages.reshape(cache_pages, -1, KV_SCALE_BYTES * stride)[:, value_blocks * head_dim // 2:]
-    scales = torch.from_numpy(rng.uniform(1e-3, 5e-2, (cache_pages, scale_rows.shape[1], stride)).astype(np.float32))
-    scale_rows[:] = kv_quant.code_bytes(kv_quant.encode_scale(scales * 127)).view(cache_pages, -1, 2 * stride).numpy()
+    # Scales that bound |K|, |V| by 0.1..6 in either format, as the float cases' values are.
+    largest = torch.from_numpy(rng.uniform(0.1, 6.0, (cache_pages, scale_rows.shape[1], stride)).astype(np.float32))
+    code = kv_quant.encode_scale(largest, kv_quant.QMAX[fmt])
+    scale_rows[:] = kv_quant.code_bytes(code).view(cache_pages, -1, 2 * stride).numpy()
     order = rng.permutation(np.arange(1, cache_pages))
     table = np.zeros((rows, kv_heads, blocks), np.int64)
     for row in range(rows):
@@ -168,30 +179,31 @@ def _int8_case(rows: int, heads: int, kv_heads: int, head_dim: int, stride: int,
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
 @pytest.mark.parametrize("rows,heads,kv_heads,head_dim,stride,contexts", CASES[1:4] + CASES[5:])
-def test_the_int8_kernel_matches_the_gather_path_over_dequantized_pages(tmp_path, rows, heads, kv_heads, head_dim,
-                                                                       stride, contexts):
-    """The int8 cache's kernel against the float gather path over the same pages dequantized
-    (each value block read as K^T [D, stride] and as V [stride, D], its scales per key either
-    way), and the op's eager twin against the same."""
-    q, key_pages, table, visible, page = _int8_case(rows, heads, kv_heads, head_dim, stride, contexts,
-                                                    seed=sum(contexts))
-    main = _compile_alone(tmp_path, rows, heads, kv_heads, head_dim, stride, page)
+def test_the_byte_kernel_matches_the_gather_path_over_dequantized_pages(tmp_path, rows, heads, kv_heads, head_dim,
+                                                                       stride, contexts, fmt):
+    """A byte cache's kernel against the float gather path over the same pages dequantized (each
+    value block read as K^T [D, stride] and as V [stride, D], its scales per key either way), and
+    the op's eager twin against the same."""
+    q, key_pages, table, visible, page = _byte_case(rows, heads, kv_heads, head_dim, stride, contexts,
+                                                    seed=sum(contexts), fmt=fmt)
+    main = _compile_alone(tmp_path, rows, heads, kv_heads, head_dim, stride, page, fmt)
     got = np.asarray(main(q.numpy(), key_pages.numpy(), table.numpy(), visible.numpy()))
-    keys, values = cpu_attention.dequantized_pages(key_pages, *page)
+    keys, values = cpu_attention.dequantized_pages(key_pages, *page, fmt)
     want = _gather_path(q, keys, table, visible, heads, stride, values).numpy()
     live = np.asarray(contexts) > 0
     np.testing.assert_allclose(got[live], want[live], rtol=1e-5, atol=1e-5)
     assert not got[~live].any()
-    eager = cpu_attention.paged_decode_attention_int8(q, key_pages, table, visible, *page).numpy()
+    eager = cpu_attention.KERNELS[fmt](q, key_pages, table, visible, *page).numpy()
     np.testing.assert_allclose(eager[live], want[live], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.e2e
-def test_the_int8_kernel_never_reads_a_scale_block_as_values(tmp_path):
+def test_the_byte_kernel_never_reads_a_scale_block_as_values(tmp_path):
     """A corrupt table naming a scale block (or a K block whose V block would be one) skips those
     keys, as a page past the end of the cache is skipped."""
-    q, key_pages, table, visible, page = _int8_case(1, 4, 2, 16, 16, [32], seed=9)
+    q, key_pages, table, visible, page = _byte_case(1, 4, 2, 16, 16, [32], seed=9)
     main = _compile_alone(tmp_path, 1, 4, 2, 16, 16, page)
     want = np.asarray(main(q.numpy(), key_pages.numpy(), table[:, :, :1].numpy(), torch.tensor([16]).numpy()))
     for local in (page[1] - 1, page[1]):  # V would be a scale block; a scale block itself
@@ -200,12 +212,14 @@ def test_the_int8_kernel_never_reads_a_scale_block_as_values(tmp_path):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
-def test_exports_with_the_kernels_take_it_where_the_cache_is_float32_or_int8(tiny_checkpoint):
+def test_exports_with_the_kernels_take_it_where_the_cache_is_float32_or_bytes(tiny_checkpoint):
     def decode_attention(**options):
         return build_model(tiny_checkpoint, ExportOptions(**options).validate(256)).decode_attention
 
     assert decode_attention(cpu_kernels=True) is cpu_attention.paged_decode_attention
     assert decode_attention(cpu_kernels=True, kv_cache_dtype="int8") is cpu_attention.paged_decode_attention_int8
+    assert (decode_attention(cpu_kernels=True, kv_cache_dtype="fp8_e4m3")
+            is cpu_attention.paged_decode_attention_fp8_e4m3)
     assert decode_attention(cpu_kernels=True, kv_cache_dtype="float16") is None
     assert decode_attention(cpu_kernels=False) is None
     config = tiny_checkpoint.config

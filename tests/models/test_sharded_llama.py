@@ -44,16 +44,17 @@ def test_every_layout_gives_the_one_device_logits(tp, pp, overrides):
     assert (got - want).abs().max() / want.abs().max() < 1e-5
 
 
-def test_an_int8_cache_shards_to_the_one_device_logits():
-    """Each device's int8 pages keep their own scale blocks: the same quantized K and V, so the
-    same logits as one device's int8 cache."""
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_a_byte_cache_shards_to_the_one_device_logits(dtype):
+    """Each device's byte pages keep their own scale blocks: the same quantized K and V, so the
+    same logits as one device's byte cache."""
     checkpoint = make_tiny_checkpoint(seed=5, num_hidden_layers=3)
 
     def fresh():
         return PagedLlama(checkpoint.config, block_seq_stride=8).load_tensors(checkpoint.tensors).eval()
 
-    want = run(fresh(), torch.int8)
-    got = run(ShardedPagedLlama(fresh(), DeviceLayout(2, 3)), torch.int8)
+    want = run(fresh(), dtype)
+    got = run(ShardedPagedLlama(fresh(), DeviceLayout(2, 3)), dtype)
     assert (got - want).abs().max() / want.abs().max() < 1e-5
 
 

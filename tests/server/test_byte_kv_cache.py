@@ -1,4 +1,4 @@
-"""A server on an int8 KV cache (the tiny model built with --kv-cache-dtype int8): a prefix
+"""A server on a byte KV cache (the tiny model built with --kv-cache-dtype int8, or fp8): a prefix
 served from its disk tier after a restart gives the same tokens as the first, cold request, so
 the pages' scales travel with them through the host and disk tiers."""
 
@@ -24,12 +24,13 @@ def complete(server) -> dict:
     return {"tokens": choice["logprobs"]["tokens"], "cached": reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]}
 
 
-def test_an_int8_cache_comes_back_from_disk_with_the_same_tokens(start_server, tiny_int8_kv_artifacts,
-                                                                 tmp_path_factory):
-    directory = tmp_path_factory.mktemp("int8-kv-cache-dir")
+@pytest.mark.parametrize("build", ["tiny_int8_kv_artifacts", "tiny_fp8_kv_artifacts"])
+def test_a_byte_cache_comes_back_from_disk_with_the_same_tokens(build, request, start_server, tmp_path_factory):
+    artifacts = request.getfixturevalue(build)
+    directory = tmp_path_factory.mktemp("byte-kv-cache-dir")
 
     def serve():
-        return start_server("--artifacts", tiny_int8_kv_artifacts, "--kv-cache-dir", directory,
+        return start_server("--artifacts", artifacts, "--kv-cache-dir", directory,
                             "--host-kv-size", "4MiB")
 
     first = serve()
