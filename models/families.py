@@ -1,5 +1,5 @@
-"""The families that depart from Llama's layer (Qwen3, Qwen3-MoE, Mixtral, Phi-3, Gemma 2 and 3): their
-config.json, their tensors, and what their GGUF metadata leaves unsaid.
+"""The families that depart from Llama's layer (Mistral's window, Qwen3, Qwen3-MoE, Mixtral, Phi-3,
+Gemma 2 and 3): their config.json, their tensors, and what their GGUF metadata leaves unsaid.
 
 Each reader turns what its family's checkpoint says into the LlamaConfig fields the model reads
 (QK-norm, GeGLU, sandwich norms, sliding layers...) and its tensors into Kiln's (Llama's) names,
@@ -36,6 +36,16 @@ def _activation(values: dict, default: str) -> str:
     if name not in _ACTIVATIONS:
         raise ModelLoadError(f"config.json's activation {name!r} is not supported: Kiln runs {', '.join(_ACTIVATIONS)}")
     return _ACTIVATIONS[name]
+
+
+def llama_family_config(values: dict, name: str) -> LlamaConfig:
+    """Llama and Mistral. Mistral's config.json may set a sliding window over every layer (v0.1's
+    4,096; null from v0.2), which transformers applies; a Llama or Qwen2 config's `sliding_window`
+    is not one (Qwen2's sits beside `use_sliding_window: false`)."""
+    window = values.get("sliding_window") if values.get("model_type") == "mistral" else None
+    layers = values.get("num_hidden_layers", 0)
+    types = values.get("layer_types") or ([SLIDING] * layers if window else [])
+    return hf_llama_config(values | {"layer_types": types}, name, "llama", attention_bias=False)
 
 
 def qwen3_config(values: dict, name: str) -> LlamaConfig:

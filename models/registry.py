@@ -22,7 +22,7 @@ from kiln.runtime.errors import ModelLoadError
 from .config import LlamaConfig
 from .diffusion_loader import dream_config, llada_config, llada_tensors
 from .families import (GEMMA_CHAT_TEMPLATE, gemma2_config, gemma3_config, gemma3_gguf_config, gemma_tensors,
-                       mixtral_config, mixtral_tensors, phi3_config, phi3_tensors, qwen3_config, qwen3_moe_config,
+                       llama_family_config, mixtral_config, mixtral_tensors, phi3_config, phi3_tensors, qwen3_config, qwen3_moe_config,
                        qwen3_moe_tensors)
 from .hf_loader import hf_llama_config, hf_llama_tensors
 
@@ -56,7 +56,7 @@ def _renamed(tensors: dict[str, np.ndarray], config: LlamaConfig) -> dict[str, n
 
 FAMILIES = (
     ModelFamily("llama", ("LlamaForCausalLM", "MistralForCausalLM", "LlamaModel", "MistralModel"), (), "llama", AUTOREGRESSIVE,
-                lambda values, name: hf_llama_config(values, name, "llama", attention_bias=False), _renamed),
+                llama_family_config, _renamed),
     ModelFamily("qwen2", ("Qwen2ForCausalLM", "Qwen2Model"), (), "qwen2", AUTOREGRESSIVE,
                 lambda values, name: hf_llama_config(values, name, "qwen2", attention_bias=True), _renamed),
     ModelFamily("qwen3", ("Qwen3ForCausalLM", "Qwen3Model"), (), "qwen3", AUTOREGRESSIVE, qwen3_config, _renamed),

@@ -32,7 +32,7 @@ def _longrope(pairs: int) -> dict:
 
 def family_configs() -> dict:
     """Each family's transformers config, at the tiny sizes, with its distinguishing features on:
-    Qwen3's head size apart from hidden / heads, Qwen3-MoE's experts unnormalized beside a dense layer,
+    Mistral's window over every layer, Qwen3's head size apart from hidden / heads, Qwen3-MoE's experts unnormalized beside a dense layer,
     Mixtral's renormalized, Phi-3's LongRoPE past a 32-token original context
     and sliding window, Gemma 2's soft-capping, Gemma 3's local layers, rotary bases and linear
     scaling on its global layers."""
@@ -40,6 +40,7 @@ def family_configs() -> dict:
 
     return {
         "qwen3": tf.Qwen3Config(**SHAPES, head_dim=32, tie_word_embeddings=False),
+        "mistral": tf.MistralConfig(**SHAPES, sliding_window=12, tie_word_embeddings=False),
         "phi3": tf.Phi3Config(**SHAPES, sliding_window=12, rope_parameters=_longrope(8), tie_word_embeddings=False),
         "qwen3_moe": tf.Qwen3MoeConfig(**SHAPES, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                        mlp_only_layers=[1], norm_topk_prob=False, tie_word_embeddings=False),
@@ -54,7 +55,7 @@ def family_configs() -> dict:
     }
 
 
-FAMILIES = ("qwen3", "qwen3_moe", "mixtral", "phi3", "gemma2", "gemma3")
+FAMILIES = ("mistral", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma2", "gemma3")
 
 
 def write_family_checkpoint(family: str, directory: Path, seed: int = 0) -> Path:

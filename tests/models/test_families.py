@@ -1,4 +1,4 @@
-"""Qwen3, Qwen3-MoE, Mixtral, Phi-3, Gemma 2 and Gemma 3 against transformers' eager forward, from checkpoints it
+"""Mistral (its sliding window), Qwen3, Qwen3-MoE, Mixtral, Phi-3, Gemma 2 and Gemma 3 against transformers' eager forward, from checkpoints it
 wrote; and through the quantizer and a GGUF."""
 
 from __future__ import annotations
@@ -75,6 +75,8 @@ def test_config_reads_each_familys_departures(tmp_path):
     assert gemma3.embedding_multiplier == 8.0 and gemma3.tie_word_embeddings
     phi3 = load_hf_directory(write_family_checkpoint("phi3", tmp_path / "phi3")).config
     assert phi3.rope_scaling["rope_type"] == "longrope" and set(phi3.layer_types) == {"sliding_attention"}
+    mistral = load_hf_directory(write_family_checkpoint("mistral", tmp_path / "mistral")).config
+    assert (mistral.architecture, mistral.sliding_window, set(mistral.layer_types)) == ("llama", 12, {"sliding_attention"})
 
 
 def test_partial_rotary_is_refused_by_name(tmp_path):
