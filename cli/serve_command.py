@@ -14,6 +14,7 @@ from pathlib import Path
 
 from kiln.runtime.pooling import POOLING_MODES
 from kiln.runtime.service_config import (
+    DEFAULT_MEMORY_FRACTION,
     HOST_WRITE_POLICIES,
     PREFIX_SHARING,
     SAMPLING_DEFAULTS,
@@ -57,6 +58,31 @@ def _byte_size(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return int(value)
+
+
+def _memory_fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction such as 0.9, got {text}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def _cache_memory(text: str) -> int | float:
+    """A size in bytes (4GiB), or a fraction of the device's memory (0.9)."""
+    if text.rstrip("bBkKmMgGtTiI") != text:
+        return _byte_size(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size such as 4GiB or a fraction such as 0.9, got {text}") from None
+    if 0 < value <= 1:
+        return value
+    if value > 1 and value == int(value):  # a plain number of bytes
+        return int(value)
+    raise argparse.ArgumentTypeError(f"expected a size such as 4GiB or a fraction in (0, 1], got {text}")
 
 
 def _lora_adapter(text: str) -> tuple[str, str]:
@@ -174,8 +200,15 @@ def add_command(commands) -> None:
     engine.add_argument("--kv-cache-dir", metavar="DIR",
                         help="keep cached prefixes in files here too, so a restarted server reuses them (uses the "
                         "host tier: --host-kv-size, by default as large as the device's cache)")
-    engine.add_argument("--kv-cache-pages", type=_non_negative_int, default=defaults.page_count, metavar="N",
-                        help="KV-cache pages (default: the export's device_block_count)")
+    size = engine.add_mutually_exclusive_group()
+    size.add_argument("--kv-cache-pages", type=_non_negative_int, default=defaults.page_count, metavar="N",
+                      help="KV-cache pages (default: the export's device_block_count, cut down where it would not "
+                      f"fit in {DEFAULT_MEMORY_FRACTION * 100:.0f}%% of the device's memory with the weights loaded)")
+    size.add_argument("--kv-cache-memory", type=_cache_memory, metavar="SIZE|FRACTION",
+                      help="the KV cache's size in bytes (4GiB, 512MiB), or a fraction such as 0.8: the share of the "
+                      "device's memory the server may use once the weights are loaded, the cache taking the rest")
+    size.add_argument("--gpu-memory-utilization", type=_memory_fraction, metavar="FRACTION",
+                      help="vLLM's name for --kv-cache-memory FRACTION (on any device)")
     scale = parser.add_argument_group("data parallel (Ray Serve; needs the ray extra)")
     scale.add_argument("--data-parallel", type=_positive_int, metavar="N",
                        help="N engine replicas, each with its own KV cache, behind one front that sends a request "
@@ -349,7 +382,7 @@ def run_serve(args) -> int:
         device=device_name(args),
         parameter_memory=args.parameter_memory,
         prefix_sharing=args.prefix_sharing,
-        page_count=args.kv_cache_pages,
+        **kv_cache_size(args),
         max_running=args.max_running,
         max_queue=args.max_queue,
         grammar_compile_seconds=args.grammar_compile_timeout,
@@ -367,6 +400,14 @@ def run_serve(args) -> int:
     if args.data_parallel:
         return run_data_parallel(args, service_config, settings)
     return serve(service_config, settings, log_level=args.log_level, prepare=prepare)
+
+
+def kv_cache_size(args) -> dict:
+    """ServiceConfig's fields for the KV cache's size, from whichever option gave it."""
+    memory = args.kv_cache_memory
+    return {"page_count": args.kv_cache_pages,
+            "memory_budget_bytes": memory if isinstance(memory, int) else 0,
+            "memory_fraction": args.gpu_memory_utilization or (memory if isinstance(memory, float) else 0.0)}
 
 
 def run_data_parallel(args, service_config: ServiceConfig, settings: ServerSettings) -> int:

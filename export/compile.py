@@ -32,6 +32,12 @@ UNKNOWN_ARCH_HINT = {
 }
 DATA_TILING = "--iree-opt-data-tiling"
 CPU_STACK_LIMIT = "--iree-llvmcpu-stack-allocation-limit=65536"
+# Hoisting computes each expression of the weights alone (a 4-bit unpack, a widened, transposed or
+# packed copy) once at load, into a global of its own for every function that traces it: SmolLM2's
+# Q4_1 build then held 987 MiB after load for 107 MiB of parameters, its float32 build 2,334 for
+# 513. Without it, 271 and 675 MiB; a Q4_1 prefill takes ~4% longer, a float32 one 30-70% (its
+# weights are packed for the matmul on every call; benchmarks/NOTES.md "Resident memory").
+NO_WEIGHT_COPIES = "--iree-opt-const-expr-hoisting=false"
 # The object file of Kiln's hand-written CPU kernels (export/cpu_kernels.py), written beside the
 # MLIR of an export that calls them and named in its executables.
 CPU_KERNELS_OBJECT = "kiln_cpu_kernels.o"
@@ -58,6 +64,7 @@ def target_flags(target: str, arch: str | None = None, devices: int = 1) -> list
             # refuses an int8 decode at batch 16 on SmolLM2's shapes (its group sums want
             # 36 KiB), and the task workers' stacks are 128 KiB. Code that fits stays the same.
             CPU_STACK_LIMIT,
+            NO_WEIGHT_COPIES,
         ]
     if target == "cuda":
         return [*device_flags, f"--iree-cuda-target={arch}"]

@@ -26,6 +26,7 @@ from kiln.models.lora import attach_lora, lora_shapes
 from kiln.models.quantize import FLOAT32, quantize_model
 from kiln.models.registry import family_named
 from kiln.models.sharded_llama import ShardedPagedLlama
+from kiln.models.stacked_projections import stack_attention_projections
 from kiln.runtime.config import (BYTE_KV_CACHE_DTYPES, KV_SCALE_BYTES, KilnParams, ModelParams, PagedKVCacheParams,
                                  save_model_config, sidecar_path)
 from kiln.runtime.contract import (
@@ -159,6 +160,7 @@ def build_model(checkpoint: Checkpoint, options: ExportOptions) -> PagedLlama | 
         features = list(lora_shapes(checkpoint.config, options.lora_modules).values())
         in_place = options.cpu_kernels and lora_kernel.supports(features, options.lora_rank)
         model.lora_inputs = attach_lora(model, options.lora_modules, lora_kernel.lora_delta if in_place else None)
+    stack_attention_projections(model)
     return model
 
 

@@ -126,11 +126,12 @@ class Attention(nn.Module):
         n, t, _ = x.shape
         projections = (self.q_proj, self.k_proj, self.v_proj)
         if t == 1:
-            # Decode: one matmul over the three weights (the compiler concatenates them
-            # once, at load): two dispatches fewer per layer, ~1 ms of a batch-1 step here.
+            # Decode: one matmul over the three weights (an export stores them as one,
+            # models/stacked_projections.py): two dispatches fewer per layer, ~1 ms of a
+            # batch-1 step here.
             # Prefill keeps three: splitting the fused result made its rotary pass slower
             # than the merge saved (benchmarks/NOTES.md).
-            sizes = [p.weight.shape[0] for p in projections]
+            sizes = [p.out_features for p in projections]
             q, k, v = stacked_linear(projections, x).split(sizes, dim=-1)
         else:
             q, k, v = (p(x) for p in projections)

@@ -63,8 +63,8 @@ class LoraLinear(nn.Module):
         return self.base(x) + self.delta(x)
 
     @property
-    def weight(self) -> torch.Tensor:
-        return self.base.weight
+    def out_features(self) -> int:
+        return self.base.out_features
 
 
 def attach_lora(model: nn.Module, modules: tuple[str, ...], delta_kernel=None) -> LoraInputs:

@@ -256,6 +256,10 @@ class QuantizedWeight(nn.Module):
         self.weight = _parameter(values)
         self.matmul = matmul
 
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
     def values(self) -> torch.Tensor:
         """The stored values one an element ([N, K]), unpacked where they are held two a byte."""
         return unpack_nibbles(self.weight) if self.packed else self.weight
@@ -293,23 +297,29 @@ class QuantizedEmbedding(QuantizedWeight):
             rows = (unpack_nibbles(rows) if self.packed else rows).float()
             k = rows.shape[-1]
             rows = rows.view(*tokens.shape, self.scale.shape[0], -1)
-            rows = rows * self.scale.T[tokens].unsqueeze(-1)
+            # Each token's column of the tables, gathered where it lies: `scale.T[tokens]` would
+            # leave the compiler a transposed copy of the whole table to hoist, one per function.
+            rows = rows * self.scale[:, tokens].movedim(0, -1).unsqueeze(-1)
             if self.offset is not None:
-                rows = rows + self.offset.T[tokens].unsqueeze(-1)
+                rows = rows + self.offset[:, tokens].movedim(0, -1).unsqueeze(-1)
             return rows.view(*tokens.shape, k)
         rows = self.weight[tokens].float()
         return rows if self.scale is None else rows * self.scale[tokens].unsqueeze(-1)
 
 
 def stacked_linear(layers, x: torch.Tensor) -> torch.Tensor:
-    """x through linear layers that share it, as one matmul over their weights concatenated
-    (a compiler concatenates parameters once, at load time). LoRA-wrapped layers (models/lora.py)
-    stack their bases and add their deltas."""
+    """x through linear layers that share it, as one matmul over their weights concatenated: the
+    stored stack where they are its rows (an export's, models/stacked_projections.py), else
+    concatenated here. LoRA-wrapped layers (models/lora.py) stack their bases and add their deltas."""
     if any(hasattr(layer, "delta") for layer in layers):
         adapted = [hasattr(layer, "delta") for layer in layers]
         out = stacked_linear([layer.base if wrapped else layer for layer, wrapped in zip(layers, adapted)], x)
-        return out + torch.cat([layer.delta(x) if wrapped else x.new_zeros(*x.shape[:-1], layer.weight.shape[0])
+        return out + torch.cat([layer.delta(x) if wrapped else x.new_zeros(*x.shape[:-1], layer.out_features)
                                 for layer, wrapped in zip(layers, adapted)], dim=-1)
+    stack = getattr(layers[0], "stack", None)  # the export's stored stack (models/stacked_projections.py)
+    if (stack is not None and [getattr(layer, "stack", None) for layer in layers] == [stack] * len(stack.sizes)
+            and [layer.index for layer in layers] == list(range(len(layers)))):
+        return stack(x)
     bias = torch.cat([layer.bias for layer in layers]) if layers[0].bias is not None else None
     if not isinstance(layers[0], QuantizedLinear):
         return F.linear(x, torch.cat([layer.weight for layer in layers]), bias)
@@ -320,16 +330,16 @@ def stacked_linear(layers, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([layer(x) for layer in layers], dim=-1)
     weight = torch.cat([layer.weight for layer in layers])
     # Row scales [N] and the block scales and offsets [K / block, N] all run along N.
-    scale = None if layers[0].scale is None else torch.cat(_same_blocks([layer.scale for layer in layers]), dim=-1)
+    scale = None if layers[0].scale is None else torch.cat(same_blocks([layer.scale for layer in layers]), dim=-1)
     offset = None
     if any(layer.offset is not None for layer in layers):  # a block type without offsets has zeros
-        offset = torch.cat(_same_blocks([torch.zeros_like(layer.scale) if layer.offset is None else layer.offset
+        offset = torch.cat(same_blocks([torch.zeros_like(layer.scale) if layer.offset is None else layer.offset
                                          for layer in layers]), dim=-1)
     out = weight_product(x, weight, scale, layers[0].matmul, offset, all(packed))
     return out if bias is None else out + bias
 
 
-def _same_blocks(tables: list[torch.Tensor]) -> list[torch.Tensor]:
+def same_blocks(tables: list[torch.Tensor]) -> list[torch.Tensor]:
     """Block scale (or offset) tables [K / block, N] of one K brought to the smallest block among
     them by repeating each row: a Q4_K q/k beside a Q6_K v (blocks of 32 and 16). Exact."""
     if tables[0].dim() == 1:

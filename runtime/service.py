@@ -39,6 +39,7 @@ from .kvcache.events import CacheCleared, KvEventLog
 from .kvcache.page_pool import PagePool
 from .kvcache.plain_cache import PlainPagedAttentionCache
 from .kvcache.trie_cache import TriePagedAttentionCache
+from .kv_cache_size import choose_pages, device_memory
 from .kv_tiers import disk_store_for, host_tier_for
 from .kvcache.tiers import KvTiers
 from .lora.registry import AdapterHold, LoraRegistry
@@ -188,11 +189,15 @@ class GenerateService:
             self.grammars = GrammarCompiler(tokenizer_path.read_text(), self.vocab_size, self.eos_token_ids)
 
         page_bytes = params.page_elems * program.cache_dtype.itemsize
-        page_count = config.page_count or params.paged_kv_cache.device_block_count
-        if config.memory_budget_bytes:
-            page_count = config.memory_budget_bytes // page_bytes
-        if page_count < 2:
-            raise ModelLoadError(f"the KV cache needs at least 2 pages of {page_bytes} bytes")
+        try:
+            size = choose_pages(
+                page_bytes=page_bytes, export_pages=params.paged_kv_cache.device_block_count,
+                pages=config.page_count, memory_bytes=config.memory_budget_bytes,
+                memory_fraction=config.memory_fraction, devices=len(program.devices),
+                memory=None if config.page_count or config.memory_budget_bytes else device_memory(config.device))
+        except ValueError as error:
+            raise ModelLoadError(str(error)) from None
+        page_count = size.pages
         pool = PagePool(page_count, program.allocate_cache)
         if abi.decode_buckets and page_count != abi.fixed_page_count:
             log.info("decode calls the functions whose shapes are dynamic: the fixed-shape ones take a cache of "
@@ -231,9 +236,9 @@ class GenerateService:
         self.batcher = Batcher(scheduler, executor, modes, stopping, OutputProcessor(self.tokenizer),
                                kv_tiers=self.kv_tiers)
         log.info(
-            "loaded %s: %d KV pages of %d tokens (%.0f MiB) in %.1fs",
+            "loaded %s: %d KV pages of %d tokens (%.0f MiB; %s) in %.1fs",
             artifacts.vmfb, page_count, abi.block_seq_stride,
-            page_count * page_bytes / 2**20, time.monotonic() - started,
+            page_count * page_bytes / 2**20, size.reason, time.monotonic() - started,
         )
 
     def _load_loras(self, abi, executor: Executor) -> None:

@@ -19,6 +19,10 @@ HOST_WRITE_POLICIES = ("write_through", "write_back")  # as kvcache.host_tier na
 SAMPLING_DEFAULTS = ("model", "openai")
 
 
+# The share of the device's memory a default-sized KV cache leaves the process: room for the
+# activations of a call and for other programs, as vLLM's default utilization leaves.
+DEFAULT_MEMORY_FRACTION = 0.9
+
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
@@ -61,8 +65,12 @@ class ServiceConfig:
     # Where the parameters live in host memory (runtime/parameters.py): "auto", "mapped" or "private".
     parameter_memory: str = "auto"
     prefix_sharing: str = "trie"  # "trie" | "none"
-    page_count: int = 0  # 0: the export's device_block_count (or the memory budget)
-    memory_budget_bytes: int = 0  # size the cache from bytes instead of a page count
+    # The KV cache's size: at most one of a page count, bytes, or the fraction of the device's
+    # memory the process may use once the weights are loaded (runtime/kv_cache_size.py). None
+    # given: the export's device_block_count, cut down where it would not fit.
+    page_count: int = 0
+    memory_budget_bytes: int = 0
+    memory_fraction: float = 0.0
     chunk_tokens: int = 256  # longest prefill chunk per sequence (rounded down to whole pages)
     # While others stream, the most prompt tokens one prefill call takes (0: no cap): the
     # longest pause a prefill puts between their tokens.
@@ -106,6 +114,10 @@ class ServiceConfig:
         for name in ("page_count", "memory_budget_bytes", "prefill_token_budget", "max_queue", "host_kv_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be between 0 and 1, got {self.memory_fraction}")
+        if sum(bool(size) for size in (self.page_count, self.memory_budget_bytes, self.memory_fraction)) > 1:
+            raise ValueError("give the KV cache's size one way: a page count, bytes or a memory fraction")
         for name in ("chunk_tokens", "max_running"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

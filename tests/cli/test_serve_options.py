@@ -94,3 +94,34 @@ def test_embeddings_and_pooling_reach_the_build_and_the_engine(monkeypatch, tmp_
     assert [options.embedding_functions for options in built] == [True, False]
     assert parser.parse_args(["serve", "--pooling", "mean"]).pooling == "mean"
     assert parser.parse_args(["serve"]).pooling is None
+
+
+@pytest.mark.parametrize("argv,fields", [
+    ([], {"page_count": 0, "memory_budget_bytes": 0, "memory_fraction": 0.0}),
+    (["--kv-cache-pages", "40"], {"page_count": 40, "memory_budget_bytes": 0, "memory_fraction": 0.0}),
+    (["--kv-cache-memory", "4GiB"], {"page_count": 0, "memory_budget_bytes": 4 * 2**30, "memory_fraction": 0.0}),
+    (["--kv-cache-memory", "1500000"], {"page_count": 0, "memory_budget_bytes": 1500000, "memory_fraction": 0.0}),
+    (["--kv-cache-memory", "0.8"], {"page_count": 0, "memory_budget_bytes": 0, "memory_fraction": 0.8}),
+    (["--gpu-memory-utilization", "0.5"], {"page_count": 0, "memory_budget_bytes": 0, "memory_fraction": 0.5}),
+])
+def test_the_kv_cache_is_sized_by_pages_bytes_or_a_share_of_memory(argv, fields):
+    from kiln.cli.serve_command import kv_cache_size
+    from kiln.runtime.service_config import ServiceConfig
+
+    assert kv_cache_size(build_parser().parse_args(["serve", *argv])) == fields
+    ServiceConfig(**fields)  # accepted as they are
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--kv-cache-memory", "1.5"], "a fraction in (0, 1]"),
+    (["--kv-cache-memory", "lots"], "expected a size such as 4GiB or a fraction"),
+    (["--kv-cache-memory=-2GiB"], "must be >= 0"),
+    (["--gpu-memory-utilization", "0"], "must be in (0, 1]"),
+    (["--kv-cache-pages", "40", "--kv-cache-memory", "1GiB"], "not allowed with argument"),
+    (["--kv-cache-memory", "0.9", "--gpu-memory-utilization", "0.9"], "not allowed with argument"),
+])
+def test_a_kv_cache_size_that_makes_no_sense_is_refused(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["serve", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

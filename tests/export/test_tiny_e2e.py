@@ -175,6 +175,28 @@ def test_weights_are_external(tiny_artifacts):
     assert (tiny_artifacts / "model_cpu.vmfb").stat().st_size < 1 << 20
 
 
+@pytest.mark.parametrize("build", ["tiny_artifacts", "tiny_q4_1_artifacts", "tiny_int8_kv_artifacts"])
+def test_the_cpu_module_holds_each_weight_once(build, request, tmp_path):
+    """The compiled CPU module reads each parameter where the file holds it: no global that an
+    initializer fills at load with a copy of a weight (a concatenation, a 4-bit unpack, a widened,
+    transposed or packed copy), one per function that traced it."""
+    from kiln.export.compile import run_iree_compile, target_flags
+
+    artifacts = request.getfixturevalue(build)
+    out = tmp_path / "global-optimization.mlir"
+    run_iree_compile([str(artifacts / "model.mlir"), *target_flags("cpu", "host"),
+                      f"--iree-hal-executable-object-search-path={artifacts}", "--compile-to=global-optimization",
+                      "-o", str(out)], "compiling to global optimization")
+    text = out.read_text()
+    assert '#flow.parameter.named<"model"::"model.layers.0.self_attn.qkv_proj.weight">' in text
+    assert "self_attn.q_proj" not in text  # stored once, as the stack
+    # A tensor global with no value of its own (outside its attributes) is one an initializer computes at load.
+    globals_ = [re.sub(r"\{[^{}]*\}", "", line.strip()) for line in text.splitlines()
+                if line.lstrip().startswith("util.global ")]
+    assert [line.split()[2] for line in globals_ if ": tensor<" in line and " = " not in line] == []
+    assert "util.initializer" not in text
+
+
 def recorded_dispatches(target: str) -> dict[str, int]:
     """The tiny model's dispatches per call on `target` as README.md records them (its table under
     "GPU dispatch budget")."""

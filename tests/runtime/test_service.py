@@ -10,6 +10,7 @@ import pytest
 
 from kiln.runtime import GenerateService, InvalidRequestError, SamplingParams, ServiceConfig
 from kiln.runtime.contract import Artifacts
+from kiln.runtime.errors import ModelLoadError
 
 pytestmark = pytest.mark.e2e
 
@@ -328,6 +329,30 @@ def test_cache_sized_from_a_memory_budget(tiny_artifacts):
         assert service.pool.page_count == 40
         assert len((await collect(service, [5, 6, 7], GREEDY))[0]["ids"]) == 12
         await service.stop()
+
+    run(scenario())
+
+
+def test_cache_sized_from_a_share_of_memory_and_cut_to_fit_by_default(tiny_artifacts, monkeypatch, caplog):
+    from kiln.runtime import service as service_module
+    from kiln.runtime.kv_cache_size import DeviceMemory
+
+    page_bytes = 2 * 2 * 2 * 16 * 16 * 4
+    # 1.5 MiB in use of 2 MiB: below 95% of it, 51 pages of 8 KiB; below 50%, none.
+    monkeypatch.setattr(service_module, "device_memory", lambda uri: DeviceMemory(2**21, 2**19))
+
+    async def scenario():
+        service = await started(tiny_artifacts, memory_fraction=0.95)
+        assert service.pool.page_count == int(0.95 * 2**21 - 3 * 2**19) // page_bytes == 51
+        assert len((await collect(service, [5, 6, 7], GREEDY))[0]["ids"]) == 12
+        await service.stop()
+        with caplog.at_level("INFO", logger="kiln.service"):
+            service = await started(tiny_artifacts)  # below 90%: 38 pages, where the export has 64
+        assert service.pool.page_count == int(0.9 * 2**21 - 3 * 2**19) // page_bytes == 38
+        assert "cut from the export's" in caplog.text
+        await service.stop()
+        with pytest.raises(ModelLoadError, match="below 50% of the device"):
+            await started(tiny_artifacts, memory_fraction=0.5)
 
     run(scenario())
 
