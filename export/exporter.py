@@ -175,6 +175,17 @@ def dynamic_examples(kind: FunctionKind, bs: int, options: ExportOptions) -> dic
     }
 
 
+def example_cache(model: PagedLlama | ShardedPagedLlama, pages: int, dtype: torch.dtype):
+    """A cache argument to trace a function with (each device's buffer, for a sharded model): its
+    shape and type are all tracing reads, so it is left uninitialized and its memory never touched.
+    A traced program keeps its example arguments: zero-filled ones of the export's page count held
+    a whole cache per function (720 MiB each for SmolLM2's default build: 11 GB by the last one)."""
+    elems = model.page_elems(dtype)
+    if isinstance(elems, list):
+        return [torch.empty(pages, part, dtype=dtype) for part in elems]
+    return torch.empty(pages, elems, dtype=dtype)
+
+
 def as_cache_dtype(cache, dtype: torch.dtype):
     """The cache (each device's buffer of a list) viewed as `dtype`: into or out of its storage type."""
     return [part.view(dtype) for part in cache] if isinstance(cache, list) else cache.view(dtype)
@@ -243,7 +254,7 @@ def trace_module(model: PagedLlama | ShardedPagedLlama, options: ExportOptions, 
                  FunctionKind.DENOISE_TOP: options.denoise_batch_sizes}.get(kind, options.prefill_batch_sizes)
         for bs in sizes:
             pages = Dim("pages", min=2)
-            cache = as_cache_dtype(model.allocate_cache(example_pages, cache_dtype), storage)
+            cache = as_cache_dtype(example_cache(model, example_pages, cache_dtype), storage)
             examples = dynamic_examples(kind, bs, options) | lora_examples
             examples["cache"] = (cache, [{0: pages}] * len(cache) if isinstance(cache, list) else {0: pages})
             if lora:
@@ -252,7 +263,7 @@ def trace_module(model: PagedLlama | ShardedPagedLlama, options: ExportOptions, 
             if kind is not FunctionKind.DECODE:
                 continue
             for context in options.decode_buckets or ():
-                cache = as_cache_dtype(model.allocate_cache(options.device_block_count, cache_dtype), storage)
+                cache = as_cache_dtype(example_cache(model, options.device_block_count, cache_dtype), storage)
                 examples = {name: (tensor, {}) for name, (tensor, _) in dynamic_examples(kind, bs, options).items()}
                 examples |= lora_examples
                 if lora:
