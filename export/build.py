@@ -6,6 +6,7 @@ the options and the package versions, so a second run reuses them.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 from dataclasses import asdict
@@ -92,6 +93,14 @@ def default_build_options(dtype: str = "float32", kv_cache_dtype: str = "", tens
                          pipeline_parallel=pipeline_parallel, quantize=quantize, cpu_kernels=cpu_kernels)
 
 
+def _export(model_path: Path | None, options: ExportOptions, output_dir: Path, log) -> None:
+    """Load and export in a frame of their own, and collect what they leave in reference cycles
+    (traced graphs), so that nothing of the model stays in memory while iree-compile runs."""
+    log("loading the model" + (f" from {model_path}" if model_path else " (bundled SmolLM2-135M-Instruct)"))
+    export_model(load_checkpoint(model_path), options, output_dir, log=log)
+    gc.collect()
+
+
 def build(
     model_path: Path | None,
     options: ExportOptions,
@@ -114,9 +123,7 @@ def build(
     if reuse and (output_dir / CONFIG_FILE).exists():
         log(f"export: {output_dir} already holds an export, reusing it")
     else:
-        log("loading the model" + (f" from {model_path}" if model_path else " (bundled SmolLM2-135M-Instruct)"))
-        checkpoint = load_checkpoint(model_path)
-        export_model(checkpoint, options, output_dir, log=log)
+        _export(model_path, options, output_dir, log)
     for target in targets:
         vmfb = output_dir / vmfb_file(target)
         if reuse and vmfb.exists() and vmfb.stat().st_mtime >= (output_dir / MLIR_FILE).stat().st_mtime:
