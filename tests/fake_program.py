@@ -92,6 +92,7 @@ class FakeProgram:
         names = expected_functions(self.params, True, self.kiln)
         self.capabilities = Capabilities.of(self.params, self.kiln, names)
         self.calls: list[str] = []  # every function called, in order
+        self.devices = [device]  # one device, as Program holds its HAL devices
 
     @property
     def cache_dtype(self) -> np.dtype:
