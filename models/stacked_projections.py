@@ -1,10 +1,11 @@
 """Attention's Q, K and V projections stored as one weight, as the export writes them.
 
 Decode multiplies x by the three weights at once (one matmul, two dispatches fewer a layer).
-Concatenated in the traced graph, that weight was a constant expression the compiler hoisted
-into a load-time copy for every function that traced it; written as parameters of their own
-(weights, scales, offsets and biases concatenated along the output features), the file holds it
-once and every function reads it there. Prefill multiplies each projection's rows of it.
+Concatenated in the traced graph, that weight is a constant expression IREE hoists into a
+load-time copy for every function that traces it, or, unhoisted, a copy made on every call;
+written as parameters of their own (weights, scales, offsets and biases concatenated along the
+output features), the file holds it once and every function reads it there. Prefill multiplies
+each projection's rows of it.
 """
 
 from __future__ import annotations
