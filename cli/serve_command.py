@@ -156,6 +156,10 @@ def add_command(commands) -> None:
     engine.add_argument("--pooling", choices=POOLING_MODES, default=None,
                         help="how embeddings pool the prompt's hidden states: last (token), mean, cls (the first "
                         "token) (default: what the model's sentence-transformers files say, else last)")
+    engine.add_argument("--batch-invariant", "--enable-deterministic-inference", action="store_true",
+                        help="call prefill and decode one sequence at a time, so that a request's tokens and "
+                        "logprobs never depend on what else is running; builds with the CPU kernels are "
+                        "batch-invariant without it (docs/serving.md: what it costs)")
     engine.add_argument("--max-queue", type=_non_negative_int, default=defaults.max_queue, metavar="N",
                         help="requests waiting before new ones get 503 (default: %(default)s)")
     engine.add_argument("--grammar-compile-timeout", type=_positive_float, default=defaults.grammar_compile_seconds,
@@ -278,6 +282,9 @@ def speculative_config(args):
     """Speculative decoding's settings from the flags; None when --speculative-model is not given."""
     if args.speculative_model is None:
         return None
+    if args.batch_invariant:
+        raise SystemExit("kiln serve: --speculative-model verifies several tokens of a sequence in one call; "
+                         "--batch-invariant calls one row at a time: choose one")
     draft = None
     if args.speculative_model != "ngram":
         draft = second_model_artifacts(args, Path(args.speculative_model), "speculative model")
@@ -395,6 +402,7 @@ def run_serve(args) -> int:
         kv_cache_dir=args.kv_cache_dir,
         sampling_defaults=args.sampling_defaults,
         pooling=args.pooling or "",
+        batch_invariant=args.batch_invariant,
         lora_adapters=dict(args.lora),
     )
     if args.data_parallel:

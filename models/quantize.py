@@ -172,7 +172,11 @@ def weight_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     if packed:  # many tokens: widened below
         weight = unpack_nibbles(weight)
     if not one_token:
-        return F.linear(x.float(), widened(weight, scale, offset))
+        # The rows flattened: a [1, T, K] input kept its batch of one and IREE took it for a
+        # batched matmul over a transposed copy, summing otherwise than the [B * T, K] matmul
+        # of a wider batch: a prompt's logits then changed with the batch it was prefilled in.
+        out = F.linear(x.reshape(-1, k).float(), widened(weight, scale, offset))
+        return out.view(*x.shape[:-1], n)
     rows = x.reshape(-1, k)
     if weight.dtype in (torch.bfloat16, torch.float32):
         return matmul(rows.to(weight.dtype), weight).view(*x.shape[:-1], n)

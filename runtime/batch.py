@@ -57,3 +57,13 @@ class Batch:
     @property
     def token_count(self) -> int:
         return sum(len(chunk) for chunk in self.tokens)
+
+    def one_row_batches(self) -> list[Batch]:
+        """Each row alone, as a batch of one: the same work, one call per row."""
+        def row(values: tuple, at: int) -> tuple:
+            return values[at:at + 1] if values else ()
+
+        return [Batch(self.phase, 1, row(self.seq_ids, at), row(self.starts, at), row(self.tokens, at),
+                      row(self.block_tables, at), row(self.samples, at), row(self.full_logits, at),
+                      row(self.visible, at), row(self.lora_slots, at))
+                for at in range(self.rows)]

@@ -4,6 +4,10 @@ The call runs on one worker thread: invoke releases the GIL, so the event loop k
 serving while the device works. What to call with which arrays is decided, and
 checked, by `build_invocation`.
 
+With `one_row_calls`, a prefill or decode batch runs as one call per row at batch one: a row's
+result then cannot depend on the rows beside it, on builds whose kernels sum a row otherwise at
+another batch size (IREE's matmuls tile by the call's shape), at the cost of batching.
+
 That thread is the service's device thread (`new_device_thread`), the one that also opened
 the device and allocated its KV caches: IREE's CUDA driver makes its context current only on
 the thread that opened the device, and a buffer allocated from any other thread (a call's
@@ -17,9 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .batch import Batch
+from .batch import Batch, Phase
 from .invocation import Invocation, InvocationError, build_invocation
 from .program import Program
+
+# The phases a batch-invariant service runs a row at a time: an autoregressive request's work.
+ONE_ROW_PHASES = (Phase.PREFILL, Phase.DECODE)
 
 
 def new_device_thread() -> ThreadPoolExecutor:
@@ -29,9 +36,10 @@ def new_device_thread() -> ThreadPoolExecutor:
 
 class Executor:
     def __init__(self, program: Program, cache_buffer, page_count: int, vocab_size: int,
-                 thread: ThreadPoolExecutor):
+                 thread: ThreadPoolExecutor, one_row_calls: bool = False):
         """`thread`: the device thread the program was opened on (the service owns and closes it)."""
         self.program = program
+        self.one_row_calls = one_row_calls
         self.cache = cache_buffer
         self.page_count = page_count
         self.vocab_size = vocab_size
@@ -54,6 +62,14 @@ class Executor:
     async def run(self, batch: Batch) -> list[np.ndarray | None]:
         """Logits [V] for each row that samples, [len(chunk), V] for full_logits rows and the rows of
         a speculation batch, else None."""
+        if self.one_row_calls and batch.phase in ONE_ROW_PHASES and batch.batch_size > 1:
+            logits = []
+            for row in batch.one_row_batches():
+                logits += await self._run(row)
+            return logits
+        return await self._run(batch)
+
+    async def _run(self, batch: Batch) -> list[np.ndarray | None]:
         try:
             invocation = build_invocation(batch, self.program.capabilities, self.page_count, self.vocab_size)
         except InvocationError:

@@ -58,6 +58,16 @@ from .speculative.prompt_lookup import PromptLookup
 log = logging.getLogger("kiln.service")
 
 
+def check_one_row_calls(abi) -> None:
+    """A batch-invariant service calls prefill and decode at batch one: the export must have them."""
+    if abi.is_diffusion:
+        raise ModelLoadError("batch invariance runs an autoregressive model's prefill and decode a row at a time; "
+                             "a diffusion model's denoising passes are not split")
+    if 1 not in abi.prefill_batch_sizes or 1 not in abi.decode_batch_sizes:
+        raise ModelLoadError("batch invariance calls prefill and decode at batch 1, and this export has no "
+                             "such function: export it with 1 among --bs-prefill and --bs-decode")
+
+
 class ServiceState(enum.Enum):
     LOADING = "loading"
     READY = "ready"
@@ -228,7 +238,10 @@ class GenerateService:
         if host_tier is not None:
             disk = disk_store_for(config, artifacts, program) if config.kv_cache_dir else None
             self.kv_tiers = KvTiers(cache, host_tier, disk)
-        executor = Executor(program, pool.buffer, page_count, self.vocab_size, self._device_thread)
+        if config.batch_invariant:
+            check_one_row_calls(abi)
+        executor = Executor(program, pool.buffer, page_count, self.vocab_size, self._device_thread,
+                            one_row_calls=config.batch_invariant)
         self.program, self.cache, self.pool = program, cache, pool
         self._load_loras(abi, executor)
         stopping = Stopping(self.tokenizer, self.eos_token_ids, abi.max_seq_len)

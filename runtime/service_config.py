@@ -96,6 +96,10 @@ class ServiceConfig:
     pooling: str = ""
     # LoRA adapters to load at start, name -> PEFT directory, for a build with adapter slots.
     lora_adapters: dict[str, str] = field(default_factory=dict)
+    # Every prefill and decode call at batch one, one row each (runtime/executor.py): a request's
+    # tokens and logprobs the same whatever shares its batch, on builds whose kernels do not
+    # already make them so (docs/serving.md, "Batch invariance").
+    batch_invariant: bool = False
 
     def __post_init__(self):
         if self.prefix_sharing not in PREFIX_SHARING:
@@ -118,6 +122,9 @@ class ServiceConfig:
             raise ValueError(f"memory_fraction must be between 0 and 1, got {self.memory_fraction}")
         if sum(bool(size) for size in (self.page_count, self.memory_budget_bytes, self.memory_fraction)) > 1:
             raise ValueError("give the KV cache's size one way: a page count, bytes or a memory fraction")
+        if self.batch_invariant and self.speculative is not None:
+            raise ValueError("speculative decoding verifies several tokens of a sequence in one call: it cannot "
+                             "run one row a call, so it does not go with batch_invariant")
         for name in ("chunk_tokens", "max_running"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

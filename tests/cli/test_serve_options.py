@@ -125,3 +125,18 @@ def test_a_kv_cache_size_that_makes_no_sense_is_refused(argv, message, capsys):
         build_parser().parse_args(["serve", *argv])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_batch_invariant_reaches_the_engine_and_refuses_speculation(monkeypatch, tmp_path):
+    import kiln.server.main as server_main
+    from kiln.cli.serve_command import run_serve
+
+    configs = []
+    monkeypatch.setattr(server_main, "serve", lambda config, settings, **kwargs: configs.append(config) or 0)
+    parser = build_parser()
+    for flag in ("--batch-invariant", "--enable-deterministic-inference"):
+        run_serve(parser.parse_args(["serve", flag]))
+    run_serve(parser.parse_args(["serve"]))
+    assert [config.batch_invariant for config in configs] == [True, True, False]
+    with pytest.raises(SystemExit, match="--speculative-model .* --batch-invariant"):
+        run_serve(parser.parse_args(["serve", "--batch-invariant", "--speculative-model", "ngram"]))

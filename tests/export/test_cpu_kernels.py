@@ -332,18 +332,10 @@ def test_decode_gives_a_row_the_same_logits_whatever_shares_its_batch(kernel_exp
         tokens, lengths = [int(alone.argmax()), 3 + step], [length + 1 for length in lengths]
 
 
-def _int8_prefill_varies(request, weights: str) -> None:
-    """A known defect, checked still to be one (strict: the day it passes, the marker must go)."""
-    if weights == "int8":
-        request.applymarker(pytest.mark.xfail(strict=True, reason="int8's prefill (IREE's matmul over the weights "
-                                              "widened in the call) rounds otherwise at another batch: ~1e-6"))
-
-
-def test_prefill_gives_a_prompt_the_same_logits_whatever_its_batch_or_chunks(request, kernel_export):
+def test_prefill_gives_a_prompt_the_same_logits_whatever_its_batch_or_chunks(kernel_export):
     """Batch invariance in prefill (IREE's matmuls): a prompt's logits alone, in a batch of four
     beside a longer prompt, and as two chunks are the same bits."""
     weights, artifacts, _ = kernel_export
-    _int8_prefill_varies(request, weights)
     program = Program(Artifacts.in_directory(artifacts))
     rng = np.random.default_rng(6)
     prompt, longer = rng.integers(4, 384, 9).tolist(), rng.integers(4, 384, 37).tolist()
@@ -357,14 +349,13 @@ def test_prefill_gives_a_prompt_the_same_logits_whatever_its_batch_or_chunks(req
     np.testing.assert_array_equal(chunked, alone[5:], err_msg=weights)
 
 
-def test_a_requests_greedy_tokens_and_logprobs_are_the_same_alone_and_in_a_busy_batch(request, kernel_export):
+def test_a_requests_greedy_tokens_and_logprobs_are_the_same_alone_and_in_a_busy_batch(kernel_export):
     """Through the service: each prompt answered alone (decode at batch 1), then the four at once
     (prefilled together, their prompts partly from the prefix cache, decoded at batch 4): the
     same tokens and the same logprobs, to the last bit."""
     from kiln.runtime import LLM, SamplingParams
 
     weights, artifacts, _ = kernel_export
-    _int8_prefill_varies(request, weights)
     rng = np.random.default_rng(9)
     prompts = [rng.integers(4, 384, n).tolist() for n in (5, 19, 33, 47)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)

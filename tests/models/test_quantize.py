@@ -144,7 +144,8 @@ def test_q8_0_blocks_are_ggmls_and_one_token_sums_each_block_with_both_scales():
     x = torch.randn(2, 1, 3 * Q8_0_BLOCK)
     with torch.no_grad():
         got = layer(x)
-        torch.testing.assert_close(layer(x.expand(2, 3, -1)), x.expand(2, 3, -1) @ layer.dequantized().T)
+        many = x.expand(2, 3, -1)  # a prefill: its rows as one matrix, times the widened weight
+        torch.testing.assert_close(layer(many), (many.reshape(6, -1) @ layer.dequantized().T).view(2, 3, 24))
     want = torch.zeros(2, 1, 24)
     for block in range(3):
         part = x[..., block * Q8_0_BLOCK:(block + 1) * Q8_0_BLOCK]

@@ -208,3 +208,32 @@ def test_requests_arriving_together_with_one_prompt_compute_it_once(fake_model_d
         await service.stop()
 
     run(scenario())
+
+
+def test_a_batch_invariant_service_calls_every_prefill_and_decode_one_row_at_a_time(fake_model_dir):
+    prompts = [prompt(n, i) for i, n in enumerate((3, 9, 40, 17))]
+
+    async def scenario():
+        service = await started(fake_model_dir, chunk_tokens=8, batch_invariant=True)
+        outs = await asyncio.gather(*(collect(service, p, GREEDY) for p in prompts))
+        assert [o[0]["ids"] for o in outs] == [expected_greedy(p, 12) for p in prompts]
+        calls = service.program.calls
+        assert calls and all(c.endswith("_bs1") for c in calls), sorted(set(calls))
+        assert len([c for c in calls if c.startswith("decode")]) >= 4 * 11  # each row of each step its own call
+        assert_idle(service)
+        await service.stop()
+
+    run(scenario())
+
+
+def test_batch_invariance_needs_batch_one_functions_and_no_speculation(fake_model_dir, tmp_path, tiny_checkpoint):
+    from kiln.runtime.errors import ModelLoadError
+    from kiln.runtime.service_config import SpeculativeConfig
+    from tests.fake_program import write_fake_artifacts
+
+    with pytest.raises(ValueError, match="speculative decoding .* batch_invariant"):
+        ServiceConfig(Artifacts.in_directory(fake_model_dir), batch_invariant=True,
+                      speculative=SpeculativeConfig("ngram"))
+    write_fake_artifacts(tmp_path, tiny_checkpoint.tokenizer_json, prefill_sizes=(4,), decode_sizes=(2, 4))
+    with pytest.raises(ModelLoadError, match="batch 1.*--bs-prefill and --bs-decode"):
+        run(started(tmp_path, batch_invariant=True))

@@ -79,6 +79,41 @@ def test_batched_equals_solo_and_trie_equals_plain(tiny_artifacts):
     run(scenario())
 
 
+def test_batch_invariant_gives_a_request_the_same_tokens_and_logprobs_alone_and_in_a_busy_batch(tiny_artifacts):
+    """The build without the CPU kernels decodes through IREE's matmuls, which tile a row's sums by
+    the call's shape; batch_invariant calls every prefill and decode at batch one, so a request's
+    greedy tokens and logprobs are the same bits alone and among others, prefilled partly from the
+    prefix cache or not."""
+    shared = prompts(1, seed=11, low=40, high=41)[0]
+    batch = [shared + tail for tail in prompts(5, seed=12, low=2, high=30)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+
+    async def outputs(service, together: bool) -> list[list]:
+        async def one(prompt):
+            events = [event async for event in service.generate(prompt, params)]
+            return [(token, logprob) for event in events for token, logprob in zip(event.token_ids, event.logprobs)]
+        if together:
+            return await asyncio.gather(*(one(prompt) for prompt in batch))
+        return [await one(prompt) for prompt in batch]
+
+    async def scenario():
+        alone_service = await started(tiny_artifacts, batch_invariant=True, prefix_sharing="none")
+        alone = await outputs(alone_service, together=False)
+        await alone_service.stop()
+        service = await started(tiny_artifacts, batch_invariant=True)
+        calls = []
+        call = service.program.call
+        service.program.call = lambda name, *args: calls.append(name) or call(name, *args)
+        together = await outputs(service, together=True)
+        assert together == alone
+        assert calls and all(name.split("_ctx")[0].endswith("_bs1") for name in calls), sorted(set(calls))
+        assert service.stats().prefix_hit_tokens > 0
+        assert_no_leaks(service)
+        await service.stop()
+
+    run(scenario())
+
+
 def test_cached_prefix_gives_the_same_tokens_and_skips_prefill(tiny_artifacts):
     prefix = prompts(1, seed=2, low=50, high=51)[0]
     first, second = prefix + [7, 8, 9], prefix + [10, 11]
