@@ -23,6 +23,7 @@ from kiln.models.sharded_llama import ShardedPagedLlama
 from kiln.runtime.config import kv_storage_dtype
 from kiln.runtime.contract import FunctionKind, argument_names, fixed_decode_name, function_name
 
+from .fast_trace import fast_tracing
 from .options import ExportOptions
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8,
@@ -241,36 +242,37 @@ def trace_module(model: PagedLlama | ShardedPagedLlama, options: ExportOptions, 
         kinds.append((FunctionKind.DECODE, True))
         if options.embedding_functions:
             kinds.append((FunctionKind.EMBED, False))
-    for kind, final_only in kinds:
-        traced_kind = FunctionKind.PREFILL if kind is FunctionKind.PREFILL_LAST else kind
-        bodies = abi_functions(options, final_only)
-        if lora:
-            bodies = with_lora(bodies, options.has_prefill_position)
-        body = bodies[traced_kind]
-        if storage != cache_dtype:
-            body = reading_cache_as(body, cache_dtype)
-        names = argument_names(traced_kind, options.has_prefill_position, lora)
-        sizes = {FunctionKind.DECODE: options.decode_batch_sizes, FunctionKind.DENOISE: options.denoise_batch_sizes,
-                 FunctionKind.DENOISE_TOP: options.denoise_batch_sizes}.get(kind, options.prefill_batch_sizes)
-        for bs in sizes:
-            pages = Dim("pages", min=2)
-            cache = as_cache_dtype(example_cache(model, example_pages, cache_dtype), storage)
-            examples = dynamic_examples(kind, bs, options) | lora_examples
-            examples["cache"] = (cache, [{0: pages}] * len(cache) if isinstance(cache, list) else {0: pages})
+    with fast_tracing():
+        for kind, final_only in kinds:
+            traced_kind = FunctionKind.PREFILL if kind is FunctionKind.PREFILL_LAST else kind
+            bodies = abi_functions(options, final_only)
             if lora:
-                examples["lora_slots"] = (torch.zeros(bs, dtype=torch.int64), {})
-            trace_function(fxb, body, function_name(kind, bs), names, examples, log)
-            if kind is not FunctionKind.DECODE:
-                continue
-            for context in options.decode_buckets or ():
-                cache = as_cache_dtype(example_cache(model, options.device_block_count, cache_dtype), storage)
-                examples = {name: (tensor, {}) for name, (tensor, _) in dynamic_examples(kind, bs, options).items()}
-                examples |= lora_examples
+                bodies = with_lora(bodies, options.has_prefill_position)
+            body = bodies[traced_kind]
+            if storage != cache_dtype:
+                body = reading_cache_as(body, cache_dtype)
+            names = argument_names(traced_kind, options.has_prefill_position, lora)
+            sizes = {FunctionKind.DECODE: options.decode_batch_sizes, FunctionKind.DENOISE: options.denoise_batch_sizes,
+                     FunctionKind.DENOISE_TOP: options.denoise_batch_sizes}.get(kind, options.prefill_batch_sizes)
+            for bs in sizes:
+                pages = Dim("pages", min=2)
+                cache = as_cache_dtype(example_cache(model, example_pages, cache_dtype), storage)
+                examples = dynamic_examples(kind, bs, options) | lora_examples
+                examples["cache"] = (cache, [{0: pages}] * len(cache) if isinstance(cache, list) else {0: pages})
                 if lora:
                     examples["lora_slots"] = (torch.zeros(bs, dtype=torch.int64), {})
-                examples["seq_block_ids"] = (torch.zeros(bs, context // stride, dtype=torch.int64), {})
-                examples["cache"] = (cache, [{}] * len(cache) if isinstance(cache, list) else {})
-                trace_function(fxb, body, fixed_decode_name(bs, context), names, examples, log)
+                trace_function(fxb, body, function_name(kind, bs), names, examples, log)
+                if kind is not FunctionKind.DECODE:
+                    continue
+                for context in options.decode_buckets or ():
+                    cache = as_cache_dtype(example_cache(model, options.device_block_count, cache_dtype), storage)
+                    examples = {name: (tensor, {}) for name, (tensor, _) in dynamic_examples(kind, bs, options).items()}
+                    examples |= lora_examples
+                    if lora:
+                        examples["lora_slots"] = (torch.zeros(bs, dtype=torch.int64), {})
+                    examples["seq_block_ids"] = (torch.zeros(bs, context // stride, dtype=torch.int64), {})
+                    examples["cache"] = (cache, [{}] * len(cache) if isinstance(cache, list) else {})
+                    trace_function(fxb, body, fixed_decode_name(bs, context), names, examples, log)
 
     started = time.monotonic()
     # What export knows of each dynamic size (a token count is a multiple of the stride, at

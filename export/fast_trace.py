@@ -1,0 +1,81 @@
+"""Tracing at a fraction of torch.export's usual cost: each function traced once, straight to
+functional ATen, with no Python stack recorded per node.
+
+iree-turbine's `export_program` calls `torch.export.export`, which traces to the pre-dispatch
+("training") IR; turbine then runs its decomposition table over the program, and that step
+traces the whole graph a second time to functionalize it. Tracing with `pre_dispatch=False`
+gives the functional ATen graph at once, as torch.export did before its training IR, with the
+composite ops the table leaves alone (`linear`, `matmul`) kept whole as the second pass keeps
+them: the same MLIR, less the shape asserts. The table's decompositions run only where the graph
+holds an op they would rewrite and the MLIR import cannot take as it is, which for Kiln's models
+is never. And torch.fx records the Python stack of every node it creates (SmolLM2's prefill
+makes 52,000), which only reaches the MLIR as source locations: not recorded here.
+SmolLM2's default build, prefill at batch 4: 59 s, 41 s in one pass, 24 s without the stacks;
+decode at batch 4: 22, 10, 7 s (benchmarks/NOTES.md, "Build time").
+
+`torch.export._trace._export` and the composite-op override are torch's own, below
+`torch.export.export` and `run_decompositions`; torch is pinned (pyproject.toml), and where they
+are missing the usual two passes run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.fx.config
+from iree.turbine.aot.decompositions import current_aot_decompositions, extend_aot_decompositions
+
+try:
+    from torch.export._trace import _export as _export_to_aten
+    from torch.export.exported_program import (
+        _override_composite_implicit_decomp, _split_decomp_table_to_cia_and_python_decomp,
+    )
+except ImportError:  # another torch: trace as turbine does
+    _export_to_aten = None
+
+# Ops in turbine's table that torch-mlir's import lowers itself (a dtype copy, a 2-D transpose):
+# decomposing them first would cost the second trace and change nothing.
+IMPORTED_AS_THEY_ARE = {torch.ops.aten._to_copy.default, torch.ops.aten.t.default}
+
+
+def _ops(program) -> set:
+    return {node.target for node in program.graph.nodes if node.op == "call_function"}
+
+
+@contextlib.contextmanager
+def _without_stack_traces():
+    recorded = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = recorded
+
+
+@contextlib.contextmanager
+def fast_tracing():
+    """Within it, turbine's `export_program` traces each function once, recording no stacks."""
+    if _export_to_aten is None:
+        with _without_stack_traces():
+            yield
+        return
+    table = current_aot_decompositions()
+    two_passes = torch.export.export
+
+    def one_pass(module, args, kwargs=None, *, dynamic_shapes=None, strict=False, **options):
+        if options:  # an option this path does not know: the usual export
+            return two_passes(module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=strict, **options)
+        composite, _ = _split_decomp_table_to_cia_and_python_decomp(dict(table))
+        with _override_composite_implicit_decomp(composite):
+            program = _export_to_aten(module, args, kwargs, dynamic_shapes, strict=strict, pre_dispatch=False)
+        needed = {op: rule for op, rule in table.items() if op in _ops(program) - IMPORTED_AS_THEY_ARE}
+        return program.run_decompositions(needed) if needed else program
+
+    torch.export.export = one_pass
+    try:
+        # Turbine's own pass after the export: nothing left for it to do.
+        with _without_stack_traces(), extend_aot_decompositions(from_current=False):
+            yield
+    finally:
+        torch.export.export = two_passes

@@ -1,0 +1,96 @@
+"""export/fast_trace.py: a function traced once (no second, decomposing trace), to the same
+operations the usual two passes give, with no Python stacks recorded; the export's MLIR the same
+but for the shape asserts the single pass leaves out."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+import torch
+from iree.turbine import aot
+from torch.export import Dim
+
+from kiln.export.fast_trace import fast_tracing
+
+
+class Cached(torch.nn.Module):
+    """A linear layer, a matmul and an in-place write to a cache argument, as the models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, cache):
+        h = self.proj(x)
+        cache[: h.shape[0]] = h.to(cache.dtype)
+        return torch.matmul(h, h.transpose(0, 1)).softmax(-1)
+
+
+def export(fast: bool, monkeypatch) -> tuple[aot.ExportOutput, list, int]:
+    decompositions = []
+    run = torch.export.ExportedProgram.run_decompositions
+    monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions",
+                        lambda self, *args, **kwargs: decompositions.append(1) or run(self, *args, **kwargs))
+    model = Cached()
+    fxb = aot.FxProgramsBuilder(model)
+    rows = Dim("rows", min=2, max=64)
+    with torch.no_grad(), (fast_tracing() if fast else torch.no_grad()):
+        program = fxb.export_program(lambda module, x, cache: module(x, cache), name="main",
+                                     args=(torch.randn(4, 8), torch.zeros(64, 8, dtype=torch.float16)),
+                                     dynamic_shapes={"x": {0: rows}, "cache": {}}, strict=False)
+    return aot.export(fxb), list(program.graph.nodes), len(decompositions)
+
+
+def operations(mlir: str) -> Counter:
+    return Counter(op for op in re.findall(r"torch\.(?:aten|prims)\.[\w.]+", mlir) if "assert" not in op)
+
+
+def test_one_trace_gives_the_usual_operations_and_no_stacks(monkeypatch):
+    usual, usual_nodes, usual_passes = export(False, monkeypatch)
+    fast, fast_nodes, fast_passes = export(True, monkeypatch)
+    assert usual_passes == 1 and fast_passes == 0
+    def from_the_model(nodes):  # torch's own passes may still note where they made a node
+        return [node for node in nodes if __file__.split("/")[-1] in (node.meta.get("stack_trace") or "")]
+
+    assert from_the_model(usual_nodes) and not from_the_model(fast_nodes)
+    usual_ops, fast_ops = operations(str(usual.mlir_module)), operations(str(fast.mlir_module))
+    # The dtype copy: prims' convert after the decomposing pass, aten's _to_copy in one (the
+    # import lowers both to the same conversion).
+    assert usual_ops.pop("torch.prims.convert_element_type") == fast_ops.pop("torch.aten._to_copy") == 1
+    assert fast_ops == usual_ops
+    assert usual_ops["torch.aten.linear"] == 1 and usual_ops["torch.aten.matmul"] == 1  # kept whole
+    assert not torch.fx.config.do_not_emit_stack_traces  # put back
+
+
+def test_the_export_of_a_model_traces_fast(monkeypatch):
+    """trace_module traces inside fast_tracing: no decomposing pass for any function."""
+    pytest.importorskip("torch.export._trace")
+    from kiln.export import exporter
+
+    entered = []
+    real = exporter.fast_tracing
+
+    def watched():
+        entered.append(1)
+        return real()
+
+    monkeypatch.setattr(exporter, "fast_tracing", watched)
+    from kiln.export.options import ExportOptions
+    from kiln.models.llama import PagedLlama
+    from tests.tiny_model import make_tiny_checkpoint
+
+    checkpoint = make_tiny_checkpoint(seed=0)
+    model = PagedLlama(checkpoint.config, block_seq_stride=16)
+    model.load_tensors(checkpoint.tensors)
+    options = ExportOptions(prefill_batch_sizes=(1,), decode_batch_sizes=(1,), max_seq_len=64, device_block_count=8,
+                            decode_buckets=()).validate(256)
+    passes = []
+    run = torch.export.ExportedProgram.run_decompositions
+    monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions",
+                        lambda self, *args, **kwargs: passes.append(1) or run(self, *args, **kwargs))
+    with torch.no_grad():
+        output = exporter.trace_module(model, options, log=lambda line: None)
+    assert entered == [1] and passes == []
+    assert "func.func @decode_bs1" in str(output.mlir_module)
