@@ -141,6 +141,29 @@ def gemma3_gguf_config(key, fields: dict) -> dict:
                 rope_local_theta=float(key("rope.freq_base_swa", GEMMA3_LOCAL_THETA)))
 
 
+def gemma2_gguf_config(key, fields: dict) -> dict:
+    """What llama.cpp takes for granted in a `gemma2` GGUF: local and global layers alternating,
+    local first; scores scaled by the head size (by hidden / heads in the 27B, its 46 layers), GeGLU,
+    embeddings scaled by √hidden; the soft-caps and the window from the file."""
+    layers = fields["num_hidden_layers"]
+    scalar = fields["hidden_size"] // fields["num_attention_heads"] if layers == 46 else fields["head_dim"]
+    caps = {name: float(value) for name in ("attn_logit_softcapping", "final_logit_softcapping")
+            if (value := key(name)) is not None}
+    return dict(hidden_act="gelu_tanh", embedding_multiplier=float(fields["hidden_size"]) ** 0.5,
+                query_pre_attn_scalar=float(scalar),
+                layer_types=[SLIDING if i % 2 == 0 else FULL for i in range(layers)],
+                sliding_window=int(key("attention.sliding_window", required=True)), **caps)
+
+
+def phi3_gguf_config(key, fields: dict) -> dict:
+    """A `phi3` GGUF: a window over every layer where the file sets one (its LongRoPE factors are
+    tensors, read with the weights)."""
+    window = key("attention.sliding_window")
+    if not window:
+        return {}
+    return dict(sliding_window=int(window), layer_types=[SLIDING] * fields["num_hidden_layers"])
+
+
 # Gemma's norms scale by (1 + weight); its names for the norms around attention and the MLP.
 _GEMMA_NORMS = {
     "post_attention_layernorm": "attention_output_norm",

@@ -53,6 +53,12 @@ class BlockWeight:
             blocks = blocks + self.offsets.T[..., None]
         return blocks.reshape(n, k)
 
+    def rows(self, start: int, stop: int) -> "BlockWeight":
+        """Output rows start..stop of the weight (a part of a fused projection)."""
+        offsets = None if self.offsets is None else np.ascontiguousarray(self.offsets[:, start:stop])
+        return BlockWeight(np.ascontiguousarray(self.values[start:stop]),
+                           np.ascontiguousarray(self.scales[:, start:stop]), offsets, self.type_name)
+
     def rows_permuted(self, permute) -> "BlockWeight":
         """The same weight with its output rows reordered by `permute` (a function of a [N, ...]
         array), as the GGUF loader reorders q/k rows."""

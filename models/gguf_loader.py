@@ -47,17 +47,27 @@ LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm",
     "post_attention_norm": "attention_output_norm",
     "post_ffw_norm": "mlp_output_norm",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3's q, k and v in one (split on reading)
+    "ffn_gate_inp": "mlp.gate",  # a mixture's router
 }
+# A mixture's experts, each a [E, rows, K] stack: GGUF name -> Kiln's parameter (no .weight).
+EXPERT_NAMES = {"ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+                "ffn_down_exps": "mlp.experts.down_proj"}
+# Architectures whose q/k rows llama.cpp's converter permutes (its `LlamaModel`, Mixtral's too).
+PERMUTED_QK = ("llama", "mixtral")
 # Turn-ending tokens llama.cpp also stops at, found by their text: a GGUF names no id for them
 # (Gemma's <end_of_turn>, Phi-3's <|end|>).
 END_OF_TURN_TEXTS = ("<end_of_turn>", "<|end|>")
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
+_OLD_EXPERT_RE = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight$")
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
     """HF name for a GGUF tensor name, or None if it is not one of a Llama's tensors."""
     if m := _LAYER_RE.match(gguf_name):
+        if m.group(2) in EXPERT_NAMES and m.group(3) == "weight":
+            return f"model.layers.{m.group(1)}.{EXPERT_NAMES[m.group(2)]}"
         module = LAYER_NAMES.get(m.group(2))
         return f"model.layers.{m.group(1)}.{module}.{m.group(3)}" if module else None
     if m := _GLOBAL_RE.match(gguf_name):
@@ -205,6 +215,8 @@ def _config_from_metadata(
 ) -> LlamaConfig:
     family = family_of_gguf(meta.get("general.architecture"))
     arch = family.gguf_architecture
+    if family.name == "llama" and meta.get("llama.expert_count"):
+        family = family_named("mixtral")  # llama.cpp writes Mixtral as a Llama with experts
 
     def key(k: str, default: Any = None, required: bool = False) -> Any:
         v = meta.get(f"{arch}.{k}")
@@ -262,6 +274,14 @@ def _config_from_metadata(
         qk_norm=any(n.endswith("attn_q_norm.weight") for n in tensor_names),
         sandwich_norms=any(n.endswith("post_attention_norm.weight") for n in tensor_names),
     )
+    if experts := key("expert_count"):
+        # A layer without a router is dense. llama.cpp renormalizes the chosen experts' weights for
+        # Mixtral and Qwen3-MoE whatever the file says; expert_weights_norm, where written, is kept.
+        fields |= dict(num_experts=int(experts), num_experts_per_tok=int(key("expert_used_count", required=True)),
+                       moe_intermediate_size=int(key("expert_feed_forward_length", 0)),
+                       norm_topk_prob=bool(key("expert_weights_norm", True)),
+                       dense_layers=[layer for layer in range(fields["num_hidden_layers"])
+                                     if f"blk.{layer}.ffn_gate_inp.weight" not in tensor_names])
     return LlamaConfig(**fields | family.config_from_gguf(key, fields))
 
 
@@ -311,6 +331,26 @@ def gguf_embedding_spec(meta: dict[str, Any]) -> EmbeddingSpec:
     return EmbeddingSpec(pooling=GGUF_POOLING[pooling])
 
 
+# Phi-3's LongRoPE factors, stored as tensors: name -> its rope_scaling key.
+LONGROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
+
+
+def _row_parts(config: LlamaConfig, name: str) -> dict[str, tuple[int, int]]:
+    """A fused tensor's parts, each Kiln's name -> its rows: Phi-3's attn_qkv (q, k, v) and its
+    ffn_up (gate, then up: llama.cpp keeps Phi-3's gate_up_proj whole under ffn_up)."""
+    if config.architecture != "phi3":
+        return {}
+    prefix = name.rsplit(".", 2)[0] + "."
+    if name.endswith("self_attn.qkv_proj.weight"):
+        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+        return {prefix + "q_proj.weight": (0, q), prefix + "k_proj.weight": (q, q + kv),
+                prefix + "v_proj.weight": (q + kv, q + 2 * kv)}
+    if name.endswith("mlp.up_proj.weight"):
+        ff = config.intermediate_size
+        return {prefix + "gate_proj.weight": (0, ff), prefix + "up_proj.weight": (ff, 2 * ff)}
+    return {}
+
+
 def load_gguf(path: str | Path) -> Checkpoint:
     """Read a GGUF file: config, dequantized float32 tensors in HF names, tokenizer."""
     path = Path(path)
@@ -330,11 +370,18 @@ def load_gguf(path: str | Path) -> Checkpoint:
     tensors: dict[str, np.ndarray] = {}
     blocks: dict[str, BlockWeight] = {}
     rope_freqs = None
+    longrope: dict[str, list[float]] = {}
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             rope_freqs = _dequantize(t)
             continue
+        if t.name in LONGROPE_FACTORS:
+            longrope[LONGROPE_FACTORS[t.name]] = _dequantize(t).astype(np.float64).tolist()
+            continue
         hf = hf_tensor_name(t.name)
+        if hf is None and _OLD_EXPERT_RE.match(t.name):
+            raise ModelLoadError(f"{path}: tensor {t.name!r} holds one expert alone, the layout of GGUFs made "
+                                 "before llama.cpp stacked them; convert the model again with a current llama.cpp")
         if hf is None:
             raise ModelLoadError(f"{path}: unexpected tensor {t.name!r} for a {config.architecture} model")
         try:
@@ -346,15 +393,36 @@ def load_gguf(path: str | Path) -> Checkpoint:
         stored = None
         if keep_blocks and len(t.shape) == 2:
             stored = read_blocks(t.data, t.tensor_type.name, *w.shape)
-        if config.architecture == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
+        if config.architecture in PERMUTED_QK and (".attn_q." in t.name or ".attn_k." in t.name):
             n = config.num_attention_heads if ".attn_q." in t.name else config.num_key_value_heads
             w = unpermute_qk(w, n)
             if stored is not None:
                 stored = stored.rows_permuted(lambda rows: unpermute_qk(rows, n))
+        if parts := _row_parts(config, hf):
+            rows = max(stop for _, stop in parts.values())
+            if w.shape[0] != rows:
+                raise ModelLoadError(f"{path}: tensor {t.name} has {w.shape[0]} rows, not {rows}")
+            for name, (start, stop) in parts.items():
+                tensors[name] = w[start:stop]
+                if stored is not None:
+                    blocks[name] = stored.rows(start, stop)
+            continue
         tensors[hf] = w
         if stored is not None:
             blocks[hf] = stored
     del reader
+
+    if longrope:
+        if set(longrope) != set(LONGROPE_FACTORS.values()) or config.rope_scaling is not None:
+            raise ModelLoadError(f"{path}: LongRoPE needs both rope_factors_long and rope_factors_short, "
+                                 "and no other rope scaling")
+        arch = meta.get("general.architecture")
+        original = meta.get(f"{arch}.rope.scaling.original_context_length")
+        if original is None:
+            raise ModelLoadError(f"{path}: LongRoPE factors without {arch}.rope.scaling.original_context_length")
+        config.rope_scaling = {"rope_type": "longrope", **longrope,
+                               "original_max_position_embeddings": int(original),
+                               "attention_factor": meta.get(f"{arch}.rope.scaling.attn_factor")}
 
     if rope_freqs is not None:
         if config.rope_scaling is not None:
@@ -397,12 +465,23 @@ def _check_tensors(config: LlamaConfig, tensors: dict[str, np.ndarray], path: Pa
             p + "self_attn.k_proj.weight": (kv_rows, c.hidden_size),
             p + "self_attn.v_proj.weight": (kv_rows, c.hidden_size),
             p + "self_attn.o_proj.weight": (c.hidden_size, q_rows),
-            p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-            p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-            p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
             p + "input_layernorm.weight": (c.hidden_size,),
             p + "post_attention_layernorm.weight": (c.hidden_size,),
         }
+        if c.is_moe(i):
+            e, ff = c.num_experts, c.moe_intermediate_size
+            expected |= {
+                p + "mlp.gate.weight": (e, c.hidden_size),
+                p + "mlp.experts.gate_proj": (e, ff, c.hidden_size),
+                p + "mlp.experts.up_proj": (e, ff, c.hidden_size),
+                p + "mlp.experts.down_proj": (e, c.hidden_size, ff),
+            }
+        else:
+            expected |= {
+                p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+                p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+                p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+            }
         if c.qk_norm:
             expected |= {p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)}
         if c.sandwich_norms:

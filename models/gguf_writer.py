@@ -17,7 +17,9 @@ import numpy as np
 from kiln.runtime.errors import ModelLoadError
 
 from .checkpoint import Checkpoint
-from .gguf_loader import GLOBAL_NAMES, LAYER_NAMES, SAMPLING_KEYS, llama3_rope_factors, permute_qk
+from .gguf_loader import (EXPERT_NAMES, GLOBAL_NAMES, LAYER_NAMES, LONGROPE_FACTORS, PERMUTED_QK, SAMPLING_KEYS,
+                          llama3_rope_factors, permute_qk)
+from .registry import family_named
 from .gguf_tokenizer import tokenizer_to_gguf
 
 WRITE_DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
@@ -26,10 +28,14 @@ _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 _HF_GLOBAL_RE = re.compile(r"^(.+)\.(weight|bias)$")
 _TO_GGUF_LAYER = {hf: g for g, hf in LAYER_NAMES.items()}
 _TO_GGUF_GLOBAL = {hf: g for g, hf in GLOBAL_NAMES.items()}
+_TO_GGUF_EXPERTS = {kiln: g for g, kiln in EXPERT_NAMES.items()}
+_HF_EXPERTS_RE = re.compile(r"^model\.layers\.(\d+)\.(mlp\.experts\.\w+)$")
 
 
 def gguf_tensor_name(hf_name: str) -> str:
     """llama.cpp's name for an HF tensor name."""
+    if (m := _HF_EXPERTS_RE.match(hf_name)) and m.group(2) in _TO_GGUF_EXPERTS:
+        return f"blk.{m.group(1)}.{_TO_GGUF_EXPERTS[m.group(2)]}.weight"
     if m := _HF_LAYER_RE.match(hf_name):
         if m.group(2) in _TO_GGUF_LAYER:
             return f"blk.{m.group(1)}.{_TO_GGUF_LAYER[m.group(2)]}.{m.group(3)}"
@@ -79,12 +85,13 @@ def write_gguf(checkpoint: Checkpoint, path: str | Path, dtype: str = "f32") -> 
         raise ValueError(f"dtype must be one of {WRITE_DTYPES}, not {dtype!r}")
     c = checkpoint.config
     arch = c.architecture
-    if arch not in ("llama", "qwen2", "qwen3"):
+    if arch not in WRITTEN_ARCHITECTURES:
         raise ModelLoadError(f"cannot write architecture {arch!r} to GGUF")
+    gguf_arch = "llama" if arch == "mixtral" else family_named(arch).gguf_architecture
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
 
-    w = gguf.GGUFWriter(tmp, arch)
+    w = gguf.GGUFWriter(tmp, gguf_arch)
     w.add_type(gguf.GGUFType.MODEL)
     if c.name:
         w.add_name(c.name)
@@ -108,10 +115,31 @@ def write_gguf(checkpoint: Checkpoint, path: str | Path, dtype: str = "f32") -> 
     if dtype not in ("f32", "f16"):
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
+    if c.num_experts:
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_weights_norm(c.norm_topk_prob)
+        if arch == "qwen3_moe":
+            w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if c.sliding_window and c.layer_types:
+        w.add_sliding_window(c.sliding_window)
+    if arch == "gemma2":
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(c, name) is not None:
+                getattr(w, f"add_{name}")(float(getattr(c, name)))
+
     rope_freqs = None
+    longrope = {}
     scaling = c.rope_scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type"))
-    if rope_type == "linear":
+    if rope_type == "longrope":
+        # Phi-3's converter: the factors as tensors, the original context and cos/sin's factor as keys.
+        from .llama import rope_attention_factor
+
+        longrope = {name: np.asarray(scaling[key], dtype=np.float32) for name, key in LONGROPE_FACTORS.items()}
+        w.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+        w.add_rope_scaling_attn_factors(float(rope_attention_factor(c)))
+    elif rope_type == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(scaling["factor"]))
     elif rope_type == "llama3":
@@ -149,12 +177,23 @@ def write_gguf(checkpoint: Checkpoint, path: str | Path, dtype: str = "f32") -> 
     order = sorted(tensors, key=_tensor_order)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs)
+    for name, factors in longrope.items():
+        w.add_tensor(name, factors)
     for name in order:
         if c.tie_word_embeddings and name == "lm_head.weight":
             continue
+        if arch == "phi3" and name.endswith(PHI3_FUSED_LATER):
+            continue  # written inside its fused tensor
+        if arch == "phi3" and (m := _HF_LAYER_RE.match(name)) and f"{m.group(2)}.weight" in PHI3_FUSED:
+            fused, parts = PHI3_FUSED[f"{m.group(2)}.weight"]
+            base, gname = f"model.layers.{m.group(1)}.", f"blk.{m.group(1)}.{fused}.weight"
+            data, raw = _encode(np.concatenate([np.asarray(tensors[base + part], dtype=np.float32) for part in parts]),
+                                dtype, gname)
+            w.add_tensor(gname, data, raw_dtype=raw)
+            continue
         gname = gguf_tensor_name(name)
         t = np.asarray(tensors[name], dtype=np.float32)
-        if arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):
+        if arch in PERMUTED_QK and (".attn_q." in gname or ".attn_k." in gname):
             t = permute_qk(t, c.num_attention_heads if ".attn_q." in gname else c.num_key_value_heads)
         data, raw = _encode(t, dtype, gname)
         w.add_tensor(gname, data, raw_dtype=raw)
@@ -169,6 +208,15 @@ def write_gguf(checkpoint: Checkpoint, path: str | Path, dtype: str = "f32") -> 
         if tmp.exists():
             tmp.unlink()
     return path
+
+
+# Phi-3's fused tensors, as its converter writes them: the first part's name -> (the fused tensor's
+# GGUF name, its parts in order). gate_up goes by ffn_up, gate rows first.
+PHI3_FUSED = {"self_attn.q_proj.weight": ("attn_qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                                       "self_attn.v_proj.weight")),
+              "mlp.gate_proj.weight": ("ffn_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight"))}
+PHI3_FUSED_LATER = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.up_proj.weight")
+WRITTEN_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma2")
 
 
 def _tensor_order(name: str):

@@ -21,9 +21,9 @@ from kiln.runtime.errors import ModelLoadError
 
 from .config import LlamaConfig
 from .diffusion_loader import dream_config, llada_config, llada_tensors
-from .families import (GEMMA_CHAT_TEMPLATE, gemma2_config, gemma3_config, gemma3_gguf_config, gemma_tensors,
-                       llama_family_config, mixtral_config, mixtral_tensors, phi3_config, phi3_tensors, qwen3_config, qwen3_moe_config,
-                       qwen3_moe_tensors)
+from .families import (GEMMA_CHAT_TEMPLATE, gemma2_config, gemma2_gguf_config, gemma3_config, gemma3_gguf_config,
+                       gemma_tensors, llama_family_config, mixtral_config, mixtral_tensors, phi3_config,
+                       phi3_gguf_config, phi3_tensors, qwen3_config, qwen3_moe_config, qwen3_moe_tensors)
 from .hf_loader import hf_llama_config, hf_llama_tensors
 
 AUTOREGRESSIVE = "autoregressive"  # KilnParams.model_kind's default; DIFFUSION is the contract's other kind
@@ -60,11 +60,14 @@ FAMILIES = (
     ModelFamily("qwen2", ("Qwen2ForCausalLM", "Qwen2Model"), (), "qwen2", AUTOREGRESSIVE,
                 lambda values, name: hf_llama_config(values, name, "qwen2", attention_bias=True), _renamed),
     ModelFamily("qwen3", ("Qwen3ForCausalLM", "Qwen3Model"), (), "qwen3", AUTOREGRESSIVE, qwen3_config, _renamed),
-    ModelFamily("qwen3_moe", ("Qwen3MoeForCausalLM",), (), None, AUTOREGRESSIVE, qwen3_moe_config,
+    ModelFamily("qwen3_moe", ("Qwen3MoeForCausalLM",), (), "qwen3moe", AUTOREGRESSIVE, qwen3_moe_config,
                 qwen3_moe_tensors),
+    # A Mixtral GGUF says `llama` and has experts (gguf_loader tells them apart).
     ModelFamily("mixtral", ("MixtralForCausalLM",), (), None, AUTOREGRESSIVE, mixtral_config, mixtral_tensors),
-    ModelFamily("phi3", ("Phi3ForCausalLM",), (), None, AUTOREGRESSIVE, phi3_config, phi3_tensors),
-    ModelFamily("gemma2", ("Gemma2ForCausalLM",), (), None, AUTOREGRESSIVE, gemma2_config, gemma_tensors),
+    ModelFamily("phi3", ("Phi3ForCausalLM",), (), "phi3", AUTOREGRESSIVE, phi3_config, phi3_tensors,
+                config_from_gguf=phi3_gguf_config),
+    ModelFamily("gemma2", ("Gemma2ForCausalLM",), (), "gemma2", AUTOREGRESSIVE, gemma2_config, gemma_tensors,
+                config_from_gguf=gemma2_gguf_config, chat_template=GEMMA_CHAT_TEMPLATE),
     ModelFamily("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), "gemma3", AUTOREGRESSIVE, gemma3_config,
                 gemma_tensors, config_from_gguf=gemma3_gguf_config, chat_template=GEMMA_CHAT_TEMPLATE),
     ModelFamily("llada", ("LLaDAModelLM",), ("llada",), None, DIFFUSION, llada_config,

@@ -93,13 +93,14 @@ def transformers_model(directory: Path):
                                                    attn_implementation="eager").eval()
 
 
-def transformers_gguf(path: Path, config_class, model_class) -> tuple:
+def transformers_gguf(path: Path, config_class, model_class, **overrides) -> tuple:
     """(config, tensors) of a GGUF as transformers' own GGUF reader makes them: an independent
-    reading of the file (its dequantization, its names)."""
+    reading of the file (its dequantization, its names); `overrides`: config fields the file does
+    not set whose defaults would not fit (Phi-3's padding id past a tiny vocabulary)."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     parsed = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
-    config = config_class(**{k: v for k, v in parsed.items() if k != "model_type"})
+    config = config_class(**{k: v for k, v in parsed.items() if k != "model_type"} | overrides)
     with torch.device("meta"):
         skeleton = model_class(config)
     return config, load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]

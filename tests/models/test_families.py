@@ -111,6 +111,136 @@ def test_qwen3_gguf_round_trip_reads_as_transformers_does(tmp_path):
         np.testing.assert_array_equal(np.asarray(value, dtype=np.float32), checkpoint.tensors[name], err_msg=name)
 
 
+# What llama.cpp's GGUF cannot say, set to what it takes for granted: Gemma 2's scores scaled by the
+# head size (its query_pre_attn_scalar is implied, not stored).
+GGUF_IMPLIED = {"gemma2": {"query_pre_attn_scalar": 16.0}}
+
+
+@pytest.mark.parametrize("family,arch", [("qwen3_moe", "qwen3moe"), ("mixtral", "llama"), ("phi3", "phi3"),
+                                         ("gemma2", "gemma2")])
+def test_a_familys_gguf_reads_back_as_its_hf_checkpoint(tmp_path, family, arch):
+    """Written as llama.cpp's converter lays the family out (experts stacked as ffn_*_exps under a
+    router ffn_gate_inp; Phi-3's attn_qkv and gate_up as ffn_up, its LongRoPE factors as tensors;
+    Gemma 2's soft-caps, window and (1 + w) norms; Mixtral as a Llama with experts and permuted q/k)
+    and read back: the same config and the same logits as from the HF directory."""
+    import dataclasses
+
+    from kiln.models.gguf_loader import load_gguf, read_gguf_metadata
+    from kiln.models.gguf_writer import write_gguf
+
+    checkpoint = load_hf_directory(write_family_checkpoint(family, tmp_path / "hf"))
+    checkpoint.config = dataclasses.replace(checkpoint.config, **GGUF_IMPLIED.get(family, {}))
+    path = write_gguf(checkpoint, tmp_path / f"{family}.gguf")
+    assert read_gguf_metadata(path)["general.architecture"] == arch
+    loaded = load_gguf(path)
+    want, got = checkpoint.config, loaded.config
+    for field in ("architecture", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                  "dense_layers", "layer_types", "sliding_window", "attn_logit_softcapping", "final_logit_softcapping",
+                  "query_pre_attn_scalar", "embedding_multiplier", "hidden_act", "tie_word_embeddings"):
+        assert getattr(got, field) == getattr(want, field), field
+    if family == "phi3":
+        assert got.rope_scaling["long_factor"] == pytest.approx(want.rope_scaling["long_factor"], rel=1e-6)
+        for key in ("short_factor", "original_max_position_embeddings"):
+            assert got.rope_scaling[key] == pytest.approx(want.rope_scaling[key], rel=1e-6), key
+    assert set(loaded.tensors) == set(checkpoint.tensors)
+    tokens = torch.tensor([PROMPT])
+    with torch.no_grad():
+        expected = PagedLlama(want).load_tensors(checkpoint.tensors).eval().forward_reference(tokens)
+        logits = PagedLlama(got).load_tensors(loaded.tensors).eval().forward_reference(tokens)
+    assert (logits - expected).abs().max() < 1e-5, family
+
+
+def test_a_fused_phi3_tensors_blocks_are_split_with_its_rows(tmp_path):
+    """A Q8_0 Phi-3 GGUF's attn_qkv and ffn_up (gate_up) blocks are served as stored: each part's
+    blocks are its rows of the fused tensor's, and stand for the weight read."""
+    from kiln.models.gguf_loader import load_gguf
+    from kiln.models.gguf_writer import write_gguf
+
+    checkpoint = load_hf_directory(write_family_checkpoint("phi3", tmp_path / "hf"))
+    loaded = load_gguf(write_gguf(checkpoint, tmp_path / "phi3-q8_0.gguf", dtype="q8_0"))
+    assert loaded.stored_quantization == "q8_0"
+    for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+        name = f"model.layers.2.{part}.weight"
+        np.testing.assert_array_equal(loaded.blocks[name].dequantized(), loaded.tensors[name], err_msg=name)
+        original = checkpoint.tensors[name]
+        assert np.abs(loaded.tensors[name] - original).max() < 0.01 * np.abs(original).max(), name
+
+
+def test_a_mixtral_gguf_with_each_expert_apart_is_refused_by_name(tmp_path):
+    import gguf
+
+    from kiln.models.gguf_loader import load_gguf
+    from kiln.models.gguf_writer import write_gguf
+
+    path = write_gguf(load_hf_directory(write_family_checkpoint("mixtral", tmp_path / "hf")), tmp_path / "new.gguf")
+    reader = gguf.GGUFReader(path)
+    old = gguf.GGUFWriter(tmp_path / "old.gguf", "llama")
+    for key, field in reader.fields.items():
+        if not key.startswith(("GGUF.", "general.architecture")):
+            old.add_key_value(key, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
+    for tensor in reader.tensors:
+        if "_exps" in tensor.name:  # one tensor per expert, as llama.cpp once wrote them
+            for expert, rows in enumerate(np.asarray(tensor.data)):
+                old.add_tensor(tensor.name.replace("_exps.weight", f".{expert}.weight"), np.array(rows))
+        else:
+            old.add_tensor(tensor.name, np.array(tensor.data))
+    old.write_header_to_file()
+    old.write_kv_data_to_file()
+    old.write_tensors_to_file()
+    old.close()
+    with pytest.raises(ModelLoadError, match="holds one expert alone.*current llama.cpp"):
+        load_gguf(tmp_path / "old.gguf")
+
+
+def experts_stacked(tensors: dict) -> dict:
+    """Per-expert `mlp.experts.{j}.{gate,up,down}_proj.weight` as transformers holds them in memory:
+    `mlp.experts.gate_up_proj` [E, 2 x ff, hidden] (gate rows first) and `mlp.experts.down_proj`."""
+    import re
+
+    out, experts = {}, {}
+    for name, value in tensors.items():
+        if m := re.match(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)_proj\.weight$", name):
+            experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = value
+        else:
+            out[name] = value
+    for prefix, parts in experts.items():
+        count = 1 + max(j for j, _ in parts)
+        out[f"{prefix}.gate_up_proj"] = np.stack([np.concatenate([parts[j, "gate"], parts[j, "up"]])
+                                                  for j in range(count)])
+        out[f"{prefix}.down_proj"] = np.stack([parts[j, "down"] for j in range(count)])
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "phi3", "gemma2"])
+def test_transformers_reads_our_gguf_of_a_family_as_its_own_checkpoint(tmp_path, family):
+    """An independent reading of the layout: transformers' GGUF reader, given the file Kiln writes
+    as llama.cpp's converter would, finds the tensors transformers saved (its own names, its own
+    fusing and its own norm convention)."""
+    import safetensors.numpy
+    import transformers
+
+    from kiln.models.gguf_writer import write_gguf
+
+    directory = write_family_checkpoint(family, tmp_path / "hf")
+    path = write_gguf(load_hf_directory(directory), tmp_path / f"{family}.gguf")
+    classes = {"qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+               "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+               "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM)}[family]
+    _, tensors = transformers_gguf(path, *classes, pad_token_id=0)
+    saved = safetensors.numpy.load_file(str(directory / "model.safetensors"))
+    if family == "qwen3_moe":  # saved per expert, as the Hub has them; read as transformers holds them
+        saved = experts_stacked(saved)
+        # The dense layer (mlp_only_layers) has no place in llama.cpp's qwen3moe, nor in what
+        # transformers reads from it; Kiln reads a layer without a router as dense.
+        dense = {name for name in saved if name.startswith("model.layers.1.mlp.")}
+        assert dense and not dense & set(tensors)
+        saved = {name: value for name, value in saved.items() if name not in dense}
+    assert set(tensors) == set(saved)
+    for name, value in tensors.items():
+        np.testing.assert_allclose(np.asarray(value, dtype=np.float32), saved[name], rtol=1e-6, atol=1e-6,
+                                   err_msg=name)
+
+
 @pytest.mark.parametrize("mode", ["bf16", "int8", "q8_0"])
 def test_quantized_weights_stay_near_the_float_model(family_dir, mode):
     """Every weight matmul (attention, MLP, embedding) quantized as `kiln build --quantize` does; a
