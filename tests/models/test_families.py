@@ -150,6 +150,26 @@ def test_a_familys_gguf_reads_back_as_its_hf_checkpoint(tmp_path, family, arch):
     assert (logits - expected).abs().max() < 1e-5, family
 
 
+def test_a_gemma2_gguf_scales_scores_as_llama_cpp_does():
+    """A `gemma2` GGUF stores no query_pre_attn_scalar: llama.cpp scales by the head size, but by
+    hidden / heads in the 27B (46 layers, 4608 / 32 = 144 where its head size is 128)."""
+    from kiln.models.families import gemma2_gguf_config
+
+    metadata = {"attention.sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+
+    def key(name, default=None, required=False):
+        return metadata.get(name, default)
+
+    big = gemma2_gguf_config(key, {"num_hidden_layers": 46, "hidden_size": 4608, "num_attention_heads": 32,
+                                   "head_dim": 128})
+    small = gemma2_gguf_config(key, {"num_hidden_layers": 26, "hidden_size": 2304, "num_attention_heads": 8,
+                                     "head_dim": 256})
+    assert (big["query_pre_attn_scalar"], small["query_pre_attn_scalar"]) == (144.0, 256.0)
+    assert small["layer_types"][:3] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert (small["sliding_window"], small["attn_logit_softcapping"], small["final_logit_softcapping"]) == (
+        4096, 50.0, 30.0)
+
+
 def test_a_fused_phi3_tensors_blocks_are_split_with_its_rows(tmp_path):
     """A Q8_0 Phi-3 GGUF's attn_qkv and ffn_up (gate_up) blocks are served as stored: each part's
     blocks are its rows of the fused tensor's, and stand for the weight read."""
