@@ -59,6 +59,9 @@ GRAPH_PRECISIONS = ("bf16",)
 GRAPH_BUCKETS = (256,)
 GRAPH_COMPILE_FLAGS = ("--iree-stream-partitioning-favor=debug",)
 GRAPH_DEVICE_FLAGS = ("--cuda_use_streams=false",)
+# Each precision is also packed with attention as matmuls (the CPU's form), measured beside the
+# fused attention op a GPU build exports.
+MATMULS_VARIANT = "matmuls"
 # Beside the module and its parameters, what the runtime reads: the config, Kiln's sidecar, the tokenizer.
 MODEL_FILES = ("model.json", "model.kiln.json", "tokenizer.json", "tokenizer_config.json")
 
@@ -136,7 +139,9 @@ def prepare(out: Path, decode_buckets: tuple[int, ...] = (), graphs: bool = Fals
     shutil.copy(weights.hf_dir() / "config.json", out / "hf_config.json")
     for name, (dtype, _) in PRECISIONS.items():
         # CUDA at the default arch (sm_80): its PTX, which the driver compiles for the GPU at hand.
-        options = f"default_build_options({dtype!r}, quantize='none', cpu_kernels=False)"
+        # As `kiln build --targets cuda` exports it: attention one fused op, the sampler beside.
+        options = (f"replace(default_build_options({dtype!r}, quantize='none', cpu_kernels=False), "
+                   "attention='fused', sampling_functions=True)")
         if decode_buckets:
             options = f"replace({options}, decode_buckets={decode_buckets!r})"
         # ROCm (gfx942) too, for its dispatch counts beside CUDA's.
@@ -159,8 +164,25 @@ def prepare(out: Path, decode_buckets: tuple[int, ...] = (), graphs: bool = Fals
             tokens = greedy_tokens(_artifacts(local, "cpu"), "local-task")
         (package / "cpu_tokens.json").write_text(json.dumps(tokens))
         print(f"{name}: packed {package} ({len(manifest)} parameters)", file=sys.stderr)
+        pack_variant(out, name, f"replace({options}, attention='matmuls')", MATMULS_VARIANT)
         if graphs and name in GRAPH_PRECISIONS:
             pack_graphs(out, name, options)
+
+
+def pack_variant(out: Path, name: str, options: str, variant: str, flags: tuple[str, ...] = ()) -> Path:
+    """`name`'s build with other `options` (CUDA only), packed as `<name>-<variant>` beside it with
+    its CPU tokens, so `run` measures one against the other on the same GPU."""
+    from benchmarks.kiln_offline import build_in_child
+
+    built = build_in_child(options, targets=("cuda",), flags=flags)
+    package = out / f"{name}-{variant}"
+    package.mkdir(exist_ok=True)
+    for file in ("model_cuda.vmfb", *MODEL_FILES):
+        shutil.copy(built / file, package / file)
+    (package / "manifest.json").write_text(json.dumps(parameter_manifest((built / "model.mlir").read_text())))
+    shutil.copy(out / name / "cpu_tokens.json", package / "cpu_tokens.json")
+    print(f"{name}: packed {package}", file=sys.stderr)
+    return package
 
 
 def pack_graphs(out: Path, name: str, options: str) -> None:
@@ -172,18 +194,9 @@ def pack_graphs(out: Path, name: str, options: str) -> None:
     record it as a CUDA graph, and its graph command buffer takes at most 32 nodes between two
     barriers: the debug partitioning puts a barrier after every dispatch. A fixed-shape decode's
     command buffer is recorded once, at load, so each step is one graph launch."""
-    from benchmarks.kiln_offline import build_in_child
-
-    built = build_in_child(f"replace({options}, decode_buckets={GRAPH_BUCKETS!r}, decode_batch_sizes=(1, 8))",
-                           targets=("cuda",), flags=GRAPH_COMPILE_FLAGS)
-    package = out / f"{name}-graphs"
-    package.mkdir(exist_ok=True)
-    for file in ("model_cuda.vmfb", *MODEL_FILES):
-        shutil.copy(built / file, package / file)
-    (package / "manifest.json").write_text(json.dumps(parameter_manifest((built / "model.mlir").read_text())))
-    shutil.copy(out / name / "cpu_tokens.json", package / "cpu_tokens.json")
+    package = pack_variant(out, name, f"replace({options}, decode_buckets={GRAPH_BUCKETS!r}, decode_batch_sizes=(1, 8))",
+                           "graphs", GRAPH_COMPILE_FLAGS)
     (package / "device_flags.json").write_text(json.dumps(list(GRAPH_DEVICE_FLAGS)))
-    print(f"{name}: packed {package}", file=sys.stderr)
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
@@ -195,6 +208,7 @@ def measure_package(package: Path, device: str) -> dict:
     against decode_bs<N>, for one package; the package's device_flags.json (if any) goes to
     IREE's runtime first, so this runs in a process of its own (measure_in_child)."""
     from benchmarks.kiln_offline import measure
+    from kiln.runtime.config import load_model_config
     from kiln.runtime.contract import device_target
 
     flags_file = package / "device_flags.json"
@@ -211,6 +225,8 @@ def measure_package(package: Path, device: str) -> dict:
     print(f"{package.name}: greedy tokens equal to the CPU build's for {agree} of {PARITY_TOKENS}", file=sys.stderr)
     entry = {"kiln": measure(package, device=device), "tokens_equal_to_cpu": agree, "tokens_compared": PARITY_TOKENS,
              **({"device_flags": flags} if flags else {})}
+    if load_model_config(package / "model.json")[1].sample_batch_sizes:  # the same module, sampling on the host
+        entry["kiln_host_sampling"] = measure(package, device=device, device_sampling=False)
     if fixed := fixed_decode_pairs(package, device):
         entry["fixed_decode"] = fixed
     return entry
@@ -269,10 +285,11 @@ def run(packed: Path, device: str, output: Path | None) -> int:
         failed |= name == "f32" and min(entry.get("tokens_equal_to_cpu", [0])) < PARITY_TOKENS
         print(f"{name}: {entry}", file=sys.stderr)
         save()
-        if (packed / f"{name}-graphs").exists():
-            results["precisions"][f"{name}-graphs"] = measure_in_child(packed / f"{name}-graphs", device)
-            print(f"{name}-graphs: {results['precisions'][f'{name}-graphs']}", file=sys.stderr)
-            save()
+        for variant in (MATMULS_VARIANT, "graphs"):
+            if (packed / f"{name}-{variant}").exists():
+                results["precisions"][f"{name}-{variant}"] = measure_in_child(packed / f"{name}-{variant}", device)
+                print(f"{name}-{variant}: {results['precisions'][f'{name}-{variant}']}", file=sys.stderr)
+                save()
     package = packed / SERVING_PRECISION
     with kiln_server(package, device) as base:
         served = serve_check(base)
@@ -386,15 +403,13 @@ def report(results: dict) -> str:
         if "kiln" not in entry:
             rows.append(f"| {name} | kiln | {entry['error']} | | | |")
             continue
-        if "torch" not in entry:  # a variant of a precision: Kiln's figures alone
-            f = entry["kiln"]
-            rows.append(f"| {name} | kiln | {f['decode_bs1_tok_s']:.1f} | {f['decode_bs8_tok_s']:.1f} | "
-                        f"{f['prefill_128_ms']:.2f} | {f['prefill_512_ms']:.2f} |")
-            continue
-        for engine in ("kiln", "torch"):
+        engines = [engine for engine in ("kiln", "kiln_host_sampling", "torch") if engine in entry]
+        for engine in engines:
             f = entry[engine]
             rows.append(f"| {name} | {engine} | {f['decode_bs1_tok_s']:.1f} | {f['decode_bs8_tok_s']:.1f} | "
                         f"{f['prefill_128_ms']:.2f} | {f['prefill_512_ms']:.2f} |")
+        if "torch" not in entry:  # a variant of a precision: Kiln's figures alone
+            continue
         k, t = entry["kiln"], entry["torch"]
         rows.append(f"| {name} | kiln / torch | {k['decode_bs1_tok_s'] / t['decode_bs1_tok_s']:.2f}x | "
                     f"{k['decode_bs8_tok_s'] / t['decode_bs8_tok_s']:.2f}x | "

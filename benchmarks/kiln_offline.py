@@ -82,13 +82,15 @@ def _random_prompts(count: int, length: int, vocab: int, rng) -> list[list[int]]
     return [rng.integers(100, min(vocab, 32000), length).tolist() for _ in range(count)]
 
 
-def measure(artifacts: Path, repeats: int = 3, device: str = "local-task") -> dict:
-    """The figures of the artifacts' module for `device` (local-task: model_cpu.vmfb)."""
+def measure(artifacts: Path, repeats: int = 3, device: str = "local-task", device_sampling: bool = True) -> dict:
+    """The figures of the artifacts' module for `device` (local-task: model_cpu.vmfb);
+    `device_sampling` False: every token sampled on the host, sample_bs<N> or not."""
     from kiln.runtime import LLM, SamplingParams
     from kiln.runtime.contract import device_target
 
     rng = np.random.default_rng(0)
-    with LLM(artifacts, device_target(device), device=device, prefix_sharing="none") as llm:
+    with LLM(artifacts, device_target(device), device=device, prefix_sharing="none",
+             device_sampling=device_sampling) as llm:
         vocab = llm.service.vocab_size
 
         def timed(prompts, max_tokens) -> float:

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from kiln.export.options import LOGITS_NORMALIZATIONS, ExportOptions
+from kiln.export.options import ATTENTION_FORMS, LOGITS_NORMALIZATIONS, ExportOptions
 from kiln.runtime.config import DTYPES, KV_CACHE_DTYPES, QUANTIZE_CHOICES
 from kiln.runtime.contract import CONFIG_FILE, PARAMETERS_FILE, TARGETS, TOKENIZER_FILE, vmfb_file
 from kiln.runtime.errors import ExportError
@@ -101,6 +101,17 @@ def add_export_options(parser: argparse.ArgumentParser) -> None:
                         help="with --max-loras: the layers adapters may adapt (default: all of "
                         f"{','.join(defaults.lora_modules)})")
     parser.add_argument(
+        "--attention", choices=ATTENTION_FORMS, default=defaults.attention,
+        help="attention over the cached pages as matmuls around a blocked softmax (fastest on the CPU) or as one "
+             "fused op (IREE's flash-attention kernel on GPUs); default: fused when every target is a GPU",
+    )
+    parser.add_argument(
+        "--sampling-functions", action=argparse.BooleanOptionalAction, default=defaults.sampling_functions,
+        help="also export sample_bs<N>: a step's tokens chosen on the device (greedy, temperature, top-k, top-p, "
+             "min-p), so a step sends back token ids, not the vocabulary's logits; default: on when every target "
+             "is a GPU",
+    )
+    parser.add_argument(
         "--cpu-kernels", action="store_true",
         help="run one-token weight matmuls (float32, bf16, Q8_0/Q4_0/Q4_1 blocks) through Kiln's hand-written "
              "AVX-512 kernels (built with the system's C compiler); the export then compiles for this machine's CPU only",
@@ -110,7 +121,7 @@ def add_export_options(parser: argparse.ArgumentParser) -> None:
 # Options whose flag names the ExportOptions field as it is (--block-seq-stride: block_seq_stride).
 _SAME_NAMED = ("block_seq_stride", "device_block_count", "max_seq_len", "dtype", "kv_cache_dtype", "quantize",
                "prefill_final_logits", "top_k", "logits_normalization", "tensor_parallel", "pipeline_parallel",
-               "cpu_kernels", "decode_buckets")
+               "cpu_kernels", "decode_buckets", "attention", "sampling_functions")
 
 
 def options_from_args(args) -> ExportOptions:

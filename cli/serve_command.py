@@ -160,6 +160,9 @@ def add_command(commands) -> None:
                         help="call prefill and decode one sequence at a time, so that a request's tokens and "
                         "logprobs never depend on what else is running; builds with the CPU kernels are "
                         "batch-invariant without it (docs/serving.md: what it costs)")
+    engine.add_argument("--no-device-sampling", dest="device_sampling", action="store_false",
+                        help="sample every token on the host, even with a build that chooses them on the device "
+                        "(sample_bs<N>, a GPU build's default: docs/gpu.md)")
     engine.add_argument("--max-queue", type=_non_negative_int, default=defaults.max_queue, metavar="N",
                         help="requests waiting before new ones get 503 (default: %(default)s)")
     engine.add_argument("--grammar-compile-timeout", type=_positive_float, default=defaults.grammar_compile_seconds,
@@ -403,6 +406,7 @@ def run_serve(args) -> int:
         sampling_defaults=args.sampling_defaults,
         pooling=args.pooling or "",
         batch_invariant=args.batch_invariant,
+        device_sampling=args.device_sampling,
         lora_adapters=dict(args.lora),
     )
     if args.data_parallel:

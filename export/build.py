@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from kiln.models.loader import load_checkpoint
@@ -93,6 +93,20 @@ def default_build_options(dtype: str = "float32", kv_cache_dtype: str = "", tens
                          pipeline_parallel=pipeline_parallel, quantize=quantize, cpu_kernels=cpu_kernels)
 
 
+def for_targets(options: ExportOptions, targets: list[str]) -> ExportOptions:
+    """The options with what they leave open chosen for the targets. Where every target is a
+    GPU: attention as one fused op (IREE's flash-attention kernel there; its CPU code is several
+    times slower than matmuls) and sampling functions (a GPU step then sends back token ids, not
+    the vocabulary's logits; on the CPU numpy reads them where they lie)."""
+    gpus_only = bool(targets) and "cpu" not in targets
+    if not options.attention:
+        options = replace(options, attention="fused" if gpus_only else "matmuls")
+    if options.sampling_functions is None:
+        raw_logits = options.top_k is None and options.logits_normalization == "none"
+        options = replace(options, sampling_functions=gpus_only and raw_logits and options.layout.device_count == 1)
+    return options
+
+
 def _export(model_path: Path | None, options: ExportOptions, output_dir: Path, log) -> None:
     """Load and export in a frame of their own, and collect what they leave in reference cycles
     (traced graphs), so that nothing of the model stays in memory while iree-compile runs."""
@@ -113,6 +127,7 @@ def build(
     """Export + compile for every target; skip what is already built. Returns the directory."""
     for target in targets:
         target_flags(target)  # reject unknown targets before the slow part
+    options = for_targets(options, targets)
     arch = arch or {}
     reuse = output_dir is None  # only a keyed cache directory is known to match these inputs
     if output_dir is None:

@@ -105,6 +105,8 @@ def kiln_params(checkpoint: Checkpoint, options: ExportOptions) -> KilnParams:
                                    "layers": c.num_hidden_layers,
                                    "modules": {m: list(shape) for m, shape in
                                                lora_shapes(c, options.lora_modules).items()}})
+    if not c.is_diffusion:
+        kiln = replace(kiln, sample_batch_sizes=list(options.sample_batch_sizes))
     if options.embedding_functions and not c.is_diffusion:
         kiln = replace(kiln, embed_batch_sizes=list(options.prefill_batch_sizes),
                        embedding=checkpoint.embedding.to_json())
@@ -149,6 +151,8 @@ def build_model(checkpoint: Checkpoint, options: ExportOptions) -> PagedLlama | 
         model.load_tensors(checkpoint.tensors, dtype=TORCH_DTYPES[options.dtype])
     except (ValueError, RuntimeError) as error:
         raise ExportError(f"the checkpoint's tensors do not fit its config: {error}") from None
+    for layer in model.model.layers:
+        layer.self_attn.fused = options.attention == "fused"
     if options.layout.device_count > 1:
         model = ShardedPagedLlama(model, options.layout)
     if not options.cpu_kernels:

@@ -1,5 +1,6 @@
 """Trace a PagedLlama into one MLIR module of prefill_bs<N> / decode_bs<N> functions
-(denoise_bs<N> for a diffusion LM; embed_bs<N> where embeddings are asked for).
+(denoise_bs<N> for a diffusion LM; embed_bs<N> where embeddings are asked for; sample_bs<N>
+where tokens are chosen on the device).
 
 Names and argument orders are the contract's (runtime/contract.py), which follows
 shortfin's ABI. Token length, block count and the cache's page count are dynamic, so
@@ -23,6 +24,7 @@ from kiln.models.sharded_llama import ShardedPagedLlama
 from kiln.runtime.config import kv_storage_dtype
 from kiln.runtime.contract import FunctionKind, argument_names, fixed_decode_name, function_name
 
+from .device_sampling import sample_tokens
 from .fast_trace import fast_tracing
 from .options import ExportOptions
 
@@ -176,6 +178,18 @@ def dynamic_examples(kind: FunctionKind, bs: int, options: ExportOptions) -> dic
     }
 
 
+def sample(model, logits, temperature, top_k, top_p, min_p, uniform):
+    """sample_bs<N>'s body: the model's weights play no part."""
+    return sample_tokens(logits, temperature, top_k, top_p, min_p, uniform)
+
+
+def sample_examples(bs: int, vocab_size: int) -> dict[str, tuple]:
+    """sample_bs<N>'s arguments (static shapes): a step's last logits and each row's settings."""
+    row = (torch.zeros(bs, dtype=torch.float32), {})
+    return {"logits": (torch.zeros(bs, 1, vocab_size, dtype=torch.float32), {}), "temperature": row,
+            "top_k": (torch.zeros(bs, dtype=torch.int64), {}), "top_p": row, "min_p": row, "uniform": row}
+
+
 def example_cache(model: PagedLlama | ShardedPagedLlama, pages: int, dtype: torch.dtype):
     """A cache argument to trace a function with (each device's buffer, for a sharded model): its
     shape and type are all tracing reads, so it is left uninitialized and its memory never touched.
@@ -213,7 +227,7 @@ def trace_function(fxb: aot.FxProgramsBuilder, body, name: str, names: tuple[str
         args=tuple(examples[arg][0] for arg in names),
         dynamic_shapes={arg: examples[arg][1] for arg in names},
         strict=False,
-        arg_device=device_affinities(names, examples["cache"][0]),
+        arg_device=device_affinities(names, examples["cache"][0]) if "cache" in examples else None,
     )
     log(f"  traced {name} in {time.monotonic() - started:.1f}s")
 
@@ -273,6 +287,12 @@ def trace_module(model: PagedLlama | ShardedPagedLlama, options: ExportOptions, 
                     examples["seq_block_ids"] = (torch.zeros(bs, context // stride, dtype=torch.int64), {})
                     examples["cache"] = (cache, [{}] * len(cache) if isinstance(cache, list) else {})
                     trace_function(fxb, body, fixed_decode_name(bs, context), names, examples, log)
+
+        if not model.config.is_diffusion:
+            for bs in options.sample_batch_sizes:
+                trace_function(fxb, sample, function_name(FunctionKind.SAMPLE, bs),
+                               argument_names(FunctionKind.SAMPLE, options.has_prefill_position),
+                               sample_examples(bs, model.config.vocab_size), log)
 
     started = time.monotonic()
     # What export knows of each dynamic size (a token count is a multiple of the stride, at

@@ -10,6 +10,8 @@ from kiln.runtime.device_layout import DeviceLayout
 from kiln.runtime.errors import ExportError
 
 LOGITS_NORMALIZATIONS = ("none", "softmax", "log_softmax")
+# How attention over the gathered pages is written (ExportOptions.attention).
+ATTENTION_FORMS = ("matmuls", "fused")
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -70,6 +72,16 @@ class ExportOptions:
     # /v1/embeddings and /v1/score pool (runtime/pooling.py). Off by default, as vLLM serves
     # embeddings only from a model started for them: each adds a prefill's compile.
     embedding_functions: bool = False
+    # Attention over the gathered pages: "matmuls" (the scores and weighted sum as matmuls around
+    # a blocked softmax, what IREE's llvm-cpu code runs fastest) or "fused" (one SDPA, which IREE
+    # lowers to its attention op: a flash-attention kernel on CUDA and ROCm in fewer dispatches,
+    # ~10x slower on the CPU at 512 tokens). "" picks by target: fused when every target is a GPU.
+    # Decode through the CPU kernel (attention_in_place) reads the pages in place either way.
+    attention: str = ""
+    # Also export sample_bs<N> for each prefill and decode size: a step's tokens chosen where its
+    # logits lie (export/device_sampling.py), so a GPU step sends back ids, not the vocabulary's
+    # logits. None: on when every target is a GPU. A diffusion LM has no decode and exports none.
+    sampling_functions: bool | None = None
     # LoRA adapters served over the model (models/lora.py): every function also takes each row's
     # adapter slot and the stacked weights of `lora_slots` slots of rank up to `lora_rank` for
     # `lora_modules`; 0 slots: no LoRA, the functions as without it.
@@ -80,6 +92,15 @@ class ExportOptions:
     @property
     def layout(self) -> DeviceLayout:
         return DeviceLayout(self.tensor_parallel, self.pipeline_parallel)
+
+    @property
+    def sample_batch_sizes(self) -> tuple[int, ...]:
+        """The sizes that get a sample_bs<N> (with sampling_functions): every decode's and every
+        prefill's that returns only last logits (prefill_last, or prefill itself)."""
+        if not self.sampling_functions:
+            return ()
+        last = self.prefill_last_functions or self.prefill_final_logits
+        return tuple(sorted(set(self.decode_batch_sizes) | (set(self.prefill_batch_sizes) if last else set())))
 
     @property
     def cache_dtype(self) -> str:
@@ -115,6 +136,8 @@ class ExportOptions:
         if quantize != "none" and self.dtype != "float32":
             raise ExportError(f"--quantize {quantize} keeps activations in float32: it needs --dtype float32, "
                               f"got {self.dtype}")
+        if self.attention not in ("", *ATTENTION_FORMS):
+            raise ExportError(f"attention must be one of {', '.join(ATTENTION_FORMS)}, got {self.attention!r}")
         if self.logits_normalization not in LOGITS_NORMALIZATIONS:
             raise ExportError(
                 f"logits_normalization must be one of {', '.join(LOGITS_NORMALIZATIONS)}, "
@@ -122,6 +145,9 @@ class ExportOptions:
             )
         if self.top_k is not None and self.top_k < 1:
             raise ExportError(f"top_k must be a positive integer, got {self.top_k}")
+        if self.sampling_functions and (self.top_k is not None or self.logits_normalization != "none"):
+            raise ExportError("--sampling-functions samples from raw logits: export without --top-k and "
+                              "--logits-normalization")
         if self.lora_slots < 0 or self.lora_rank < 1:
             raise ExportError(f"--max-loras must be >= 0 and --max-lora-rank >= 1, got {self.lora_slots} and "
                               f"{self.lora_rank}")
@@ -131,6 +157,8 @@ class ExportOptions:
                               f"{', '.join(self.lora_modules) or 'none'}")
         if self.lora_slots and self.layout.device_count > 1:
             raise ExportError("LoRA adapters apply to a one-device export, not tensor or pipeline parallel ones")
+        if self.sampling_functions and self.layout.device_count > 1:
+            raise ExportError("--sampling-functions applies to a one-device export, not tensor or pipeline parallel ones")
         if self.cpu_kernels and self.layout.device_count > 1:
             raise ExportError("cpu_kernels apply to a one-device export, not tensor or pipeline parallel ones")
         max_seq_len = self.max_seq_len

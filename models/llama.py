@@ -120,6 +120,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
+        # Attention over the gathered pages as one fused op (SDPA) rather than matmuls and a
+        # blocked softmax: IREE lowers it to its attention op, a flash-attention kernel on GPUs,
+        # in fewer dispatches; an export for GPUs sets it (ExportOptions.attention).
+        self.fused = False
 
     def project(self, x, cos, sin):
         """q [N,H,T,D] and k, v [N,Hkv,T,D] for x [N,T,hidden], rotary applied to q and k."""
@@ -169,13 +173,16 @@ class Attention(nn.Module):
         op whose llvm-cpu code is ~10x slower than this at 512 tokens, and a softmax
         over one dynamic axis does not vectorize; viewed as [..., S/block, block], the
         static inner axis does. The query heads of a K/V group are stacked into one
-        matmul, so K/V are read once per group and never copied.
+        matmul, so K/V are read once per group and never copied. GPU builds (`fused`) take SDPA,
+        which IREE's GPU code runs as one flash-attention kernel (attend_fused).
         """
         n, heads, t, d = q.shape
         kv_heads, s = keys_t.shape[1], keys_t.shape[3]
         group = heads // kv_heads
         dtype = q.dtype
         decode = t == 1
+        if self.fused and scales is None and self.softcap is None:
+            return self.attend_fused(q, keys_t.transpose(-1, -2), values, bias)
         if n == 1 and decode:
             # A lone decode row asks its query twice, as a two-token step would: IREE 3.13
             # miscompiles this form at N = 1, T = 1 on SmolLM2's shapes (three query heads
@@ -211,6 +218,17 @@ class Attention(nn.Module):
         out = out.view(n, kv_heads, group, rows, d)[:, :, :, :t]
         out = out.permute(0, 3, 1, 2, 4).reshape(n, t, heads * d)
         return self.o_proj(out.to(dtype))
+
+    def attend_fused(self, q, keys, values, bias):
+        """attend_paged as one SDPA: keys and values [N,Hkv,S,D], each K/V head repeated for its
+        group of query heads (IREE's attention op takes equal head counts)."""
+        n, heads, t, d = q.shape
+        group = heads // keys.shape[1]
+        if group > 1:
+            keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=bias.to(q.dtype),
+                                             scale=self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(n, t, heads * d))
 
 
 class MLP(nn.Module):

@@ -68,6 +68,7 @@ def attention_shard(attn: Attention, config: LlamaConfig, rank: int) -> Attentio
         return _linear(projection.weight[part], None if projection.bias is None else projection.bias[part])
 
     shard = Attention(config, attn.sliding)
+    shard.fused = attn.fused
     shard.q_norm, shard.k_norm = copy.deepcopy(attn.q_norm), copy.deepcopy(attn.k_norm)  # per head: every rank's own copy
     shard.q_proj, shard.k_proj, shard.v_proj = rows(attn.q_proj, q_rows), rows(attn.k_proj, kv_rows), rows(attn.v_proj, kv_rows)
     shard.o_proj = _linear(attn.o_proj.weight[:, q_rows])

@@ -42,6 +42,9 @@ class Batch:
     visible: tuple[int, ...] = ()
     # Each row's LoRA adapter slot (0: the base model), for a build with adapter slots; empty: all 0.
     lora_slots: tuple[int, ...] = ()
+    # Rows whose tokens the compiled sampler chooses (sample_bs<N>): each row's (temperature, top_k,
+    # top_p, min_p, uniform number), temperature 0 for greedy ones; empty: the host samples.
+    device_sampling: tuple[tuple[float, int, float, float, float], ...] = ()
 
     @property
     def rows(self) -> int:
@@ -65,5 +68,5 @@ class Batch:
 
         return [Batch(self.phase, 1, row(self.seq_ids, at), row(self.starts, at), row(self.tokens, at),
                       row(self.block_tables, at), row(self.samples, at), row(self.full_logits, at),
-                      row(self.visible, at), row(self.lora_slots, at))
+                      row(self.visible, at), row(self.lora_slots, at), row(self.device_sampling, at))
                 for at in range(self.rows)]

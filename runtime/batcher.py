@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,6 +27,9 @@ from .output_processor import OutputProcessor
 from .request import Request, Sequence, SequenceState
 from .sampling import SamplingParams
 from .scheduler import BaseScheduler
+
+if TYPE_CHECKING:
+    from .decoding import DeviceSampling
 
 log = logging.getLogger("kiln.batcher")
 
@@ -41,11 +45,13 @@ class BatcherCounters:
 
 class Batcher:
     def __init__(self, scheduler: BaseScheduler, executor: Executor, modes: list[GenerationMode],
-                 stopping: Stopping, outputs: OutputProcessor, kv_tiers: KvTiers | None = None):
+                 stopping: Stopping, outputs: OutputProcessor, kv_tiers: KvTiers | None = None,
+                 device_sampling: DeviceSampling | None = None):
         """`modes`: the generation modes, asked in order which takes a request (the last takes
         any). `kv_tiers`: the prefix cache's host (and disk) tiers: the host's copies are made
         before each step (and when idle) and passed on to be saved; with a disk, a request's
-        saved pages are read before it is scheduled."""
+        saved pages are read before it is scheduled. `device_sampling`: which batches the compiled
+        sampler chooses tokens for (an export with sample_bs<N>), None: the host samples all."""
         self.scheduler = scheduler
         self.executor = executor
         self.modes = {mode.name: mode for mode in modes}
@@ -53,6 +59,7 @@ class Batcher:
         self._executors = {phase: ex for mode in modes for phase, ex in mode.executors().items()}
         self.stopping = stopping
         self.kv_tiers = kv_tiers
+        self.device_sampling = device_sampling
         self._prefetching: set[asyncio.Task] = set()
         self.outputs = outputs
         self.counters = BatcherCounters()
@@ -184,6 +191,8 @@ class Batcher:
                 continue
             for mode in self._mode_order:
                 batch = await mode.prepare(batch)
+            if self.device_sampling is not None:
+                batch = self.device_sampling.plan(batch, self.scheduler.sequences_of(batch))
             if self.kv_tiers is not None and self.kv_tiers.copies_pending:
                 # Pages restored for this batch must hold their K/V before it runs; pages evicted
                 # while scheduling it are read before anyone writes them.

@@ -164,6 +164,8 @@ class KilnParams:
     embed_batch_sizes: list[int] = field(default_factory=list)
     hidden_size: int = 0
     embedding: dict = field(default_factory=dict)
+    # Sizes with a sample_bs<N>: a step's tokens chosen on the device (runtime/contract.py).
+    sample_batch_sizes: list[int] = field(default_factory=list)
     # LoRA adapter slots (models/lora.py), empty without: {"slots", "rank", "layers", "modules":
     # {name: [in, out]}}; the functions then take each row's slot and the stacked weights.
     lora: dict = field(default_factory=dict)

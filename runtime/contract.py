@@ -54,12 +54,17 @@ class FunctionKind(str, enum.Enum):
     # Prefill's pass (its arguments, K/V written into the pages) returning the final hidden
     # states [N, T, H] after the last norm, for embeddings to pool (runtime/pooling.py).
     EMBED = "embed"
+    # A step's logits [N, 1, V] (decode's, prefill_last's) and each row's temperature, top-k,
+    # top-p, min-p and uniform number, to the token ids [N] the host sampler would choose for
+    # them, on the device (export/device_sampling.py).
+    SAMPLE = "sample"
 
 
 _PREFILL_ARGUMENTS = ("tokens", "start_pos", "seq_lens", "seq_block_ids", "cache")
 _PREFILL_ARGUMENTS_NO_POSITION = ("tokens", "seq_lens", "seq_block_ids", "cache")
 _DECODE_ARGUMENTS = ("tokens", "seq_lens", "start_positions", "seq_block_ids", "cache")
-_FUNCTION_NAME = re.compile(r"^(prefill_last|prefill|decode|denoise_top|denoise|embed)_bs([1-9][0-9]*)$")
+_SAMPLE_ARGUMENTS = ("logits", "temperature", "top_k", "top_p", "min_p", "uniform")
+_FUNCTION_NAME = re.compile(r"^(prefill_last|prefill|decode|denoise_top|denoise|embed|sample)_bs([1-9][0-9]*)$")
 _FIXED_DECODE_NAME = re.compile(r"^decode_bs([1-9][0-9]*)_ctx([1-9][0-9]*)$")
 DIFFUSION = "diffusion"  # KilnParams.model_kind of a diffusion LM's export
 
@@ -101,8 +106,12 @@ def argument_names(kind: FunctionKind, has_prefill_position: bool, lora: bool = 
     in device order, where this lists one.
     Denoise takes prefill's arguments, with any T (a window need not fill whole pages); embed
     takes prefill's. With LoRA adapters, each row's adapter slot [N] i64 and the slots' stacked
-    weights (A then B per adapted module, models/lora.py) come before the cache.
+    weights (A then B per adapted module, models/lora.py) come before the cache. Sample takes a
+    step's logits [N, 1, V] f32, then temperature [N] f32, top_k [N] i64, top_p, min_p and
+    uniform [N] f32, and no cache.
     """
+    if FunctionKind(kind) is FunctionKind.SAMPLE:
+        return _SAMPLE_ARGUMENTS
     if FunctionKind(kind) is FunctionKind.DECODE:
         names = _DECODE_ARGUMENTS
     elif FunctionKind(kind) in (FunctionKind.DENOISE, FunctionKind.DENOISE_TOP):
@@ -122,7 +131,8 @@ def expected_functions(params: ModelParams, with_prefill_last: bool, kiln: KilnP
     names += [function_name(FunctionKind.DECODE, bs) for bs in params.decode_batch_sizes]
     buckets = kiln.decode_buckets if kiln is not None else ()
     names += [fixed_decode_name(bs, context) for bs in params.decode_batch_sizes for context in buckets]
-    return names + [function_name(FunctionKind.EMBED, bs) for bs in (kiln.embed_batch_sizes if kiln else ())]
+    names += [function_name(FunctionKind.EMBED, bs) for bs in (kiln.embed_batch_sizes if kiln else ())]
+    return names + [function_name(FunctionKind.SAMPLE, bs) for bs in (kiln.sample_batch_sizes if kiln else ())]
 
 
 @dataclass(frozen=True)
@@ -185,6 +195,8 @@ class Capabilities:
     lora_rank: int = 0
     lora_layers: int = 0
     lora_modules: tuple[tuple[str, int, int], ...] = ()
+    # Sizes with a sample_bs<N>, which chooses a decode's or prefill_last's tokens on the device.
+    sample_batch_sizes: tuple[int, ...] = ()
 
     @property
     def is_diffusion(self) -> bool:
@@ -225,6 +237,7 @@ class Capabilities:
             lora_rank=kiln.lora.get("rank", 0),
             lora_layers=kiln.lora.get("layers", 0),
             lora_modules=tuple((name, fin, fout) for name, (fin, fout) in kiln.lora.get("modules", {}).items()),
+            sample_batch_sizes=() if diffusion else tuple(sorted(kiln.sample_batch_sizes)),
         )
 
     @property

@@ -24,6 +24,7 @@ import numpy as np
 from .batch import Batch, Phase
 from .invocation import Invocation, InvocationError, build_invocation
 from .program import Program
+from .sampling import SampleResult
 
 # The phases a batch-invariant service runs a row at a time: an autoregressive request's work.
 ONE_ROW_PHASES = (Phase.PREFILL, Phase.DECODE)
@@ -48,8 +49,16 @@ class Executor:
         # cache; replaced whole, between steps, when an adapter is loaded into a slot.
         self.lora_weights: list = []
 
-    def _invoke(self, invocation: Invocation) -> list[np.ndarray | None]:
-        logits = self.program.call(invocation.function, *invocation.arguments, *self.lora_weights, self.cache)
+    def _invoke(self, invocation: Invocation) -> list[np.ndarray | SampleResult | None]:
+        arguments = (*invocation.arguments, *self.lora_weights, self.cache)
+        if invocation.sample is not None:  # each row's token, chosen where the logits lie
+            tokens = self.program.call_sampled(invocation.function, arguments, *invocation.sample)
+            chosen = [int(tokens[at[0]]) if want else None for at, want in zip(invocation.read_at, invocation.wanted)]
+            if any(token is not None and not 0 <= token < self.vocab_size for token in chosen):
+                # Logits with no finite weight (NaN) leave the sampler no token to take.
+                raise InvocationError(f"{invocation.sample[0]} chose no token in the vocabulary: {chosen}")
+            return [None if token is None else SampleResult(token) for token in chosen]
+        logits = self.program.call(invocation.function, *arguments)
         # A live view of the device's result: copy only the rows that are read.
         return [np.array(logits[at], dtype=np.float32) if want else None
                 for at, want in zip(invocation.read_at, invocation.wanted)]
@@ -59,9 +68,9 @@ class Executor:
         run on, so no call is reading or writing the cache meanwhile; what its flush returns."""
         return await asyncio.get_running_loop().run_in_executor(self._thread, host_tier.flush, self.cache.to_host())
 
-    async def run(self, batch: Batch) -> list[np.ndarray | None]:
+    async def run(self, batch: Batch) -> list[np.ndarray | SampleResult | None]:
         """Logits [V] for each row that samples, [len(chunk), V] for full_logits rows and the rows of
-        a speculation batch, else None."""
+        a speculation batch, else None; a batch with device_sampling: each sampling row's token."""
         if self.one_row_calls and batch.phase in ONE_ROW_PHASES and batch.batch_size > 1:
             logits = []
             for row in batch.one_row_batches():
@@ -69,7 +78,7 @@ class Executor:
             return logits
         return await self._run(batch)
 
-    async def _run(self, batch: Batch) -> list[np.ndarray | None]:
+    async def _run(self, batch: Batch) -> list[np.ndarray | SampleResult | None]:
         try:
             invocation = build_invocation(batch, self.program.capabilities, self.page_count, self.vocab_size)
         except InvocationError:

@@ -27,6 +27,9 @@ class Invocation:
     # For each row of the batch: where its logits lie in the result, (call rows, positions).
     read_at: tuple[tuple[int | slice, int | slice], ...]
     wanted: tuple[bool, ...]  # rows whose logits are read at all
+    # The compiled sampler to call on the result where it lies, and its arrays (the batch's
+    # device_sampling): each row's token id comes back instead of its logits. None: logits.
+    sample: tuple[str, tuple[np.ndarray, ...]] | None = None
 
 
 def build_invocation(batch: Batch, abi: Capabilities, page_count: int, vocab_size: int) -> Invocation:
@@ -102,6 +105,7 @@ def build_invocation(batch: Batch, abi: Capabilities, page_count: int, vocab_siz
         else:  # every position of the chunk for prompt logprobs, else its last
             read_at.append((row, slice(0, len(chunk)) if full else len(chunk) - 1))
     wanted = tuple(samples or full for samples, full in zip(batch.samples, batch.full_logits))
+    sample = _sample_call(batch, abi, last_only) if batch.device_sampling else None
     lora_slots = np.zeros(rows, np.int64)
     lora_slots[: len(batch.lora_slots)] = batch.lora_slots
     if lora_slots.min() < 0 or lora_slots.max() > abi.lora_slots:
@@ -111,7 +115,21 @@ def build_invocation(batch: Batch, abi: Capabilities, page_count: int, vocab_siz
     # The stacked adapter weights and the cache are the executor's, passed after these.
     arguments = tuple(named[arg] for arg in argument_names(kind, abi.has_prefill_position, bool(abi.lora_slots))
                       if arg not in ("lora_weights", "cache"))
-    return Invocation(name, arguments, tuple(read_at), wanted)
+    return Invocation(name, arguments, tuple(read_at), wanted, sample)
+
+
+def _sample_call(batch: Batch, abi: Capabilities, last_only: bool) -> tuple[str, tuple[np.ndarray, ...]]:
+    """sample_bs<N> and its arrays for a batch whose rows the compiled sampler chooses; padding rows
+    are greedy."""
+    rows = batch.batch_size
+    if not last_only or rows not in abi.sample_batch_sizes or len(batch.device_sampling) != batch.rows:
+        raise InvocationError(f"this export cannot sample a {batch.phase.value} batch of {rows} on the device")
+    temperature, top_k, min_p, uniform = (np.zeros(rows, np.float32), np.zeros(rows, np.int64),
+                                          np.zeros(rows, np.float32), np.zeros(rows, np.float32))
+    top_p = np.ones(rows, np.float32)
+    for row, settings in enumerate(batch.device_sampling):
+        temperature[row], top_k[row], top_p[row], min_p[row], uniform[row] = settings
+    return function_name(FunctionKind.SAMPLE, rows), (temperature, top_k, top_p, min_p, uniform)
 
 
 def _speculation_as_decode(batch: Batch, abi: Capabilities, page_count: int, vocab_size: int) -> Invocation:

@@ -92,6 +92,12 @@ class Program:
         """Call `name`; its one result as a live host view (valid until the next call)."""
         return self.functions[name](*self._arguments(args)).to_host()
 
+    def call_sampled(self, name: str, args: tuple, sample: str, sample_args: tuple) -> np.ndarray:
+        """Call `name`, then `sample` on its logits where they lie (the device) with its own
+        arrays: the token ids come back to the host, not the logits."""
+        logits = self.functions[name](*self._arguments(args))
+        return np.array(self.functions[sample](logits, *sample_args).to_host(), copy=True)
+
     def invoke(self, name: str, *args) -> list[np.ndarray]:
         """Call `name` and copy its results to host arrays."""
         results = self.functions[name](*self._arguments(args))

@@ -370,6 +370,18 @@ class Sampler:
                 matcher.accept(results[-1].token_id)
         return results
 
+    def device_settings(self, row: SamplingRow) -> tuple[float, int, float, float] | None:
+        """(temperature, top_k, top_p, min_p) for the compiled sampler (export/device_sampling.py),
+        temperature 0 when greedy; None for a row only the host can sample: one with logprobs,
+        penalties or bias, a grammar, or tokens held back by min_tokens."""
+        p = row.params
+        if (p.logprobs is not None or p.has_penalties or getattr(row, "matcher", None) is not None
+                or self._banned(p, len(row.output_ids))):
+            return None
+        if p.greedy:
+            return 0.0, 0, 1.0, 0.0
+        return p.temperature, p.top_k, p.top_p, p.min_p
+
     def _plain_greedy(self, row: SamplingRow) -> bool:
         p = row.params
         return (p.greedy and p.logprobs is None and not p.has_penalties
@@ -415,12 +427,14 @@ def draw_from(p: np.ndarray, rng: np.random.Generator) -> int:
 
 
 def _candidates(x: np.ndarray, params: SamplingParams) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """(Candidate token ids, or None for the whole vocabulary in order; their unnormalised
+    """(Candidate token ids in order of id, or None for the whole vocabulary; their unnormalised
     weights after temperature, top-k, top-p and min-p), weights None when all are banned."""
     ids: np.ndarray | None = None
     k = params.top_k
     if 0 < k < x.size:
-        ids = np.argpartition(x, -k)[-k:]
+        # In order of id, the order the draw walks, as the compiled sampler's
+        # (export/device_sampling.py): both take the same token for the same number.
+        ids = np.sort(np.argpartition(x, -k)[-k:])
         x = x[ids]
     # float32 throughout: numpy's float64 exp is an order of magnitude slower.
     p = np.divide(x, params.temperature, dtype=np.float32)
@@ -442,7 +456,7 @@ def _candidates(x: np.ndarray, params: SamplingParams) -> tuple[np.ndarray | Non
 
 
 def _nucleus(p: np.ndarray, top_p: float) -> np.ndarray:
-    """Indices of the smallest most-likely set whose mass reaches top_p, best first."""
+    """Indices of the smallest most-likely set whose mass reaches top_p, in increasing order."""
     target = top_p * float(p.sum(dtype=np.float64))
     order = None
     # The nucleus is a prefix of the descending order: when the best m weights already
@@ -456,7 +470,7 @@ def _nucleus(p: np.ndarray, top_p: float) -> np.ndarray:
     if order is None:
         order = np.argsort(-p, kind="stable")
     keep = int(np.searchsorted(np.cumsum(p[order], dtype=np.float64), target, side="left")) + 1
-    return order[:keep]
+    return np.sort(order[:keep])
 
 
 _BLOCK = 256

@@ -25,7 +25,7 @@ from .batcher import Batcher
 from .beam_search import BeamSearch
 from .config import sidecar_path
 from .contract import TOKENIZER_CONFIG_FILE, Artifacts
-from .decoding import PlainDecoding
+from .decoding import DeviceSampling, PlainDecoding
 from .diffusion.mode import DiffusionDecoding
 from .diffusion.params import DEFAULT_CANVAS_TOKENS
 from .diffusion.scheduler import DiffusionScheduler, DiffusionSchedulerConfig
@@ -246,8 +246,11 @@ class GenerateService:
         self._load_loras(abi, executor)
         stopping = Stopping(self.tokenizer, self.eos_token_ids, abi.max_seq_len)
         scheduler, modes = self._diffusion_modes(abi, cache) if abi.is_diffusion else self._modes(abi, cache, stopping)
+        # Tokens chosen where the logits lie, where the export has its sampler and it is not refused.
+        device_sampling = (DeviceSampling(abi, Sampler(self.eos_token_ids))
+                           if abi.sample_batch_sizes and config.device_sampling else None)
         self.batcher = Batcher(scheduler, executor, modes, stopping, OutputProcessor(self.tokenizer),
-                               kv_tiers=self.kv_tiers)
+                               kv_tiers=self.kv_tiers, device_sampling=device_sampling)
         log.info(
             "loaded %s: %d KV pages of %d tokens (%.0f MiB; %s) in %.1fs",
             artifacts.vmfb, page_count, abi.block_seq_stride,

@@ -100,6 +100,9 @@ class ServiceConfig:
     # tokens and logprobs the same whatever shares its batch, on builds whose kernels do not
     # already make them so (docs/serving.md, "Batch invariance").
     batch_invariant: bool = False
+    # Choose tokens on the device through the export's sample_bs<N> (a GPU build's) wherever a
+    # batch's rows allow (runtime/decoding/device_sampling.py); False: always on the host.
+    device_sampling: bool = True
 
     def __post_init__(self):
         if self.prefix_sharing not in PREFIX_SHARING:

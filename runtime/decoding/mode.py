@@ -10,7 +10,7 @@ from ..batch import Batch
 from ..errors import InvalidRequestError
 from ..generation_mode import Advance, Footprint, GenerationMode, StepOutcome, last_position
 from ..request import Sequence
-from ..sampling import Sampler, SamplingParams
+from ..sampling import SampleResult, Sampler, SamplingParams
 
 
 def autoregressive_footprint(prompt_len: int, params: SamplingParams) -> Footprint:
@@ -32,8 +32,11 @@ class PlainDecoding(GenerationMode):
         return autoregressive_footprint(prompt_len, params)
 
     def update(self, batch: Batch, rows: list[int], seqs: list[Sequence | None],
-               logits: list[np.ndarray | None]) -> list[StepOutcome]:
+               logits: list[np.ndarray | SampleResult | None]) -> list[StepOutcome]:
+        """A row the compiled sampler chose for (runtime/decoding/device_sampling.py) comes as its
+        token; the rest as logits, sampled here."""
         sampling = [i for i in rows if batch.samples[i]]
-        samples = self.sampler.sample_rows([last_position(logits[i]) for i in sampling],
-                                           [seqs[i] for i in sampling])
-        return [Advance(seqs[i], [sample]) for i, sample in zip(sampling, samples)]
+        on_host = [i for i in sampling if not isinstance(logits[i], SampleResult)]
+        chosen = dict(zip(on_host, self.sampler.sample_rows([last_position(logits[i]) for i in on_host],
+                                                            [seqs[i] for i in on_host])))
+        return [Advance(seqs[i], [chosen[i] if i in chosen else logits[i]]) for i in sampling]

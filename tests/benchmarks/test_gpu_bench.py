@@ -80,17 +80,20 @@ def test_report_puts_kiln_over_torch():
     assert "| f32 | 1 | 1.50 | 6.00 | 4.00x |" in table
 
 
-def test_report_has_torch_compile_a_variant_and_the_serving_figures():
+def test_report_has_torch_compile_host_sampling_a_variant_and_the_serving_figures():
     figures = {"decode_bs1_tok_s": 100.0, "decode_bs8_tok_s": 400.0, "prefill_128_ms": 2.0, "prefill_512_ms": 4.0}
     compiled = {"decode_bs1_tok_s": 200.0, "decode_bs8_tok_s": 800.0}
     load = {"output_throughput": 600.0, "p50_ttft_ms": 20.0, "p99_ttft_ms": 30.0, "p50_itl_ms": 9.0,
             "p99_itl_ms": 12.0, "failed": 0}
     table = gpu_bench.report({
-        "precisions": {"bf16": {"kiln": figures, "torch": figures, "torch_compiled": compiled},
+        "precisions": {"bf16": {"kiln": figures, "kiln_host_sampling": {**figures, "decode_bs1_tok_s": 90.0},
+                                "torch": figures,
+                                "torch_compiled": compiled},
                        "bf16-graphs": {"kiln": figures, "device_flags": ["--cuda_use_streams=false"]},
                        "f32": {"error": "exit status 1", "torch": figures}},
         "serving": {"precision": "bf16", "input_tokens": 256, "output_tokens": 128, "c16": load}})
     assert "| bf16 | kiln / torch.compile | 0.50x | 0.50x | | |" in table
+    assert "| bf16 | kiln_host_sampling | 90.0 | 400.0 | 2.00 | 4.00 |" in table
     assert "| bf16-graphs | kiln | 100.0 | 400.0 | 2.00 | 4.00 |" in table
     assert "| f32 | kiln | exit status 1 | | | |" in table
     assert "| 16 | 600.0 | 20.0 | 30.0 | 9.00 | 12.00 | 0 |" in table

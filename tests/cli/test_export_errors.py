@@ -115,3 +115,14 @@ def test_a_device_layout_the_model_cannot_take(hf_dir, tmp_path, flags, needle):
 def test_decode_buckets_the_export_cannot_take(hf_dir, tmp_path, flags, needle):
     assert_one_line_error(export(hf_dir, tmp_path / "out", "--max-seq-len", "256", *flags), needle)
     assert_no_output(tmp_path / "out")
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--top-k", "4"], "samples from raw logits: export without --top-k"),
+    (["--logits-normalization", "softmax"], "samples from raw logits"),
+    (["--tensor-parallel", "2"], "--sampling-functions applies to a one-device export"),
+    (["--attention", "flash"], "invalid choice: 'flash'"),
+])
+def test_sampling_functions_and_attention_forms_the_export_cannot_take(hf_dir, tmp_path, flags, needle):
+    assert_one_line_error(export(hf_dir, tmp_path / "out", "--sampling-functions", *flags), needle)
+    assert_no_output(tmp_path / "out")

@@ -127,7 +127,7 @@ def test_a_kv_cache_size_that_makes_no_sense_is_refused(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_batch_invariant_reaches_the_engine_and_refuses_speculation(monkeypatch, tmp_path):
+def test_batch_invariant_and_device_sampling_reach_the_engine_and_speculation_is_refused(monkeypatch, tmp_path):
     import kiln.server.main as server_main
     from kiln.cli.serve_command import run_serve
 
@@ -137,6 +137,8 @@ def test_batch_invariant_reaches_the_engine_and_refuses_speculation(monkeypatch,
     for flag in ("--batch-invariant", "--enable-deterministic-inference"):
         run_serve(parser.parse_args(["serve", flag]))
     run_serve(parser.parse_args(["serve"]))
-    assert [config.batch_invariant for config in configs] == [True, True, False]
+    run_serve(parser.parse_args(["serve", "--no-device-sampling"]))
+    assert [config.batch_invariant for config in configs] == [True, True, False, False]
+    assert [config.device_sampling for config in configs] == [True, True, True, False]
     with pytest.raises(SystemExit, match="--speculative-model .* --batch-invariant"):
         run_serve(parser.parse_args(["serve", "--batch-invariant", "--speculative-model", "ngram"]))

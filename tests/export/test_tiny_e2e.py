@@ -69,13 +69,18 @@ def test_batch_four_mixed_lengths_with_a_padded_row(program, reference):
     check_generation(program, reference, prompts, batch=4, steps=5)
 
 
-def test_prefill_at_a_start_position_continues_a_cached_prefix(program, reference):
-    prompt = np.random.default_rng(2).integers(4, 384, 40).tolist()
+def check_cached_prefix(program: Program, reference, prompt: list[int]) -> None:
+    """A 40-token prompt prefilled as 32 tokens, then 8 from position 32 over the cached prefix:
+    the second call's logits are the reference's."""
     driver = PagedDriver(program)
     seqs = driver.new_sequences(1, 48)
     driver.prefill(seqs, [prompt[:32]], batch=1)
     logits = driver.prefill(seqs, [prompt[32:]], batch=1, start_pos=[32])
     assert relative_error(logits[0, :8], reference_logits(reference, prompt)[32:]) < TOLERANCE
+
+
+def test_prefill_at_a_start_position_continues_a_cached_prefix(program, reference):
+    check_cached_prefix(program, reference, np.random.default_rng(2).integers(4, 384, 40).tolist())
 
 
 def test_prefill_last_returns_each_rows_last_logits(program, reference):
@@ -135,6 +140,53 @@ def test_fixed_shape_decode_buckets_compile_for_gpus_recorded_once(bucket_artifa
     compiled = compiled_functions(out)
     assert replays_a_recorded_command_buffer(compiled, "decode_bs4_ctx256")
     assert not replays_a_recorded_command_buffer(compiled, "decode_bs4")
+
+
+@pytest.fixture(scope="module")
+def gpu_form_artifacts(tiny_hf_dir, tmp_path_factory):
+    """The tiny model as a GPU build exports it (attention one fused op, sample_bs<N> beside the
+    steps), compiled for the CPU."""
+    return _export_and_compile(tiny_hf_dir, tmp_path_factory.mktemp("tiny-gpu-form"),
+                               [*TINY_EXPORT_ARGS, "--attention", "fused", "--sampling-functions"])
+
+
+def test_fused_attention_matches_the_reference(gpu_form_artifacts, reference):
+    """IREE's attention op over the gathered pages, with the padded row, page-straddling prompts,
+    a lone decode row and a prefill after a cached prefix: the reference's logits, here on the
+    CPU's code for it."""
+    assert "torch.aten.scaled_dot_product_attention" in (gpu_form_artifacts / "model.mlir").read_text()
+    program = Program(Artifacts.in_directory(gpu_form_artifacts))
+    check_generation(program, reference, [[5, 9, 200, 31, 7]], batch=1)
+    rng = np.random.default_rng(1)
+    check_generation(program, reference, [rng.integers(4, 384, n).tolist() for n in (5, 16, 37)], batch=4, steps=3)
+    check_cached_prefix(program, reference, rng.integers(4, 384, 40).tolist())
+
+
+def test_tokens_chosen_by_the_compiled_sampler_equal_the_host_samplers(gpu_form_artifacts, monkeypatch):
+    """The same seeded requests through sample_bs<N> and through the host sampler: the same tokens,
+    greedy, with temperature, top-k, top-p and min-p; a request with logprobs in the same run
+    keeps its batches on the host."""
+    from kiln.runtime import LLM, SamplingParams
+
+    sampled_calls = []
+    call_sampled = Program.call_sampled
+    monkeypatch.setattr(Program, "call_sampled",
+                        lambda self, *args: sampled_calls.append(args[2]) or call_sampled(self, *args))
+    prompts = [[5, 9, 200, 31, 7], [3, 1, 4, 1, 5, 9, 2, 6], list(range(10, 50))]
+    settings = [dict(temperature=0), dict(temperature=1.0, seed=1), dict(temperature=0.8, top_k=20, seed=2),
+                dict(temperature=1.2, top_p=0.9, seed=3), dict(temperature=0.9, top_k=50, top_p=0.8, min_p=0.02, seed=4)]
+    tokens = {}
+    for on_device in (True, False):
+        with LLM(gpu_form_artifacts, prefix_sharing="none", device_sampling=on_device) as llm:
+            tokens[on_device] = [[r.completions[0].token_ids for r in
+                                  llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True, **s))]
+                                 for s in settings]
+            if on_device:
+                assert {"sample_bs1", "sample_bs4"} <= set(sampled_calls)
+                calls = len(sampled_calls)
+                result = llm.generate([prompts[0]], SamplingParams(max_tokens=4, temperature=0, logprobs=2))[0]
+                assert len(result.completions[0].logprobs) == 4 and len(sampled_calls) == calls
+    assert tokens[True] == tokens[False]
 
 
 def test_config_is_shortfin_compatible(tiny_artifacts):
@@ -208,18 +260,21 @@ def recorded_dispatches(target: str) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("target,arch", [("cuda", "sm_80"), ("rocm", "gfx942")])
-def test_gpu_targets_compile_within_the_dispatch_budget(tiny_artifacts, tmp_path, target, arch):
+def test_gpu_targets_compile_within_the_dispatch_budget(gpu_form_artifacts, tmp_path, target, arch):
     """Each call's dispatches are most of a GPU step's time (one launch each): a change to the
     export that adds any fails here, on a machine without a GPU, until README.md's figures are
-    raised on purpose."""
+    raised on purpose. The export is a GPU build's (attention fused, the sampler beside), and its
+    sampler's command buffer is recorded once, at load (its shapes are all static)."""
     out = tmp_path / f"model_{target}.vmfb"
-    result = run_kiln("compile-vmfb", str(tiny_artifacts / "model.mlir"), "--target", target, "--arch", arch, "-o", str(out))
+    result = run_kiln("compile-vmfb", str(gpu_form_artifacts / "model.mlir"), "--target", target, "--arch", arch,
+                      "-o", str(out))
     assert "marked 6 cache argument(s)" in result.stderr  # prefill, prefill_last (bs 1, 4), decode (bs 1, 4)
     counts = dispatch_counts(out)
     recorded = recorded_dispatches(target)
     assert set(recorded) == {"prefill_last_bs1", "prefill_last_bs4", "decode_bs1", "decode_bs4"}
     grown = {name: f"{counts[name]} > {figure}" for name, figure in recorded.items() if counts[name] > figure}
     assert not grown, f"dispatches per call past README.md's figures: {grown} (all: {counts})"
+    assert replays_a_recorded_command_buffer(compiled_functions(out), "sample_bs4")
 
 
 def test_a_gpu_export_tells_iree_what_its_dynamic_sizes_are(tiny_artifacts):
