@@ -6,6 +6,7 @@ the loader for a path.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,8 @@ class Checkpoint:
     config: LlamaConfig
     # Hugging Face names: model.embed_tokens.weight, model.layers.{i}.self_attn.q_proj.weight,
     # ..., model.norm.weight, lm_head.weight (absent when embeddings are tied).
-    tensors: dict[str, np.ndarray]
+    # A GGUF's are made from the file when asked for (models/lazy_arrays.py): a Mapping, not a dict.
+    tensors: Mapping[str, np.ndarray]
     tokenizer_json: str  # the text of a `tokenizers` tokenizer.json
     tokenizer_config: dict[str, Any] = field(default_factory=dict)  # HF tokenizer_config.json
     source: str = ""
@@ -31,7 +33,7 @@ class Checkpoint:
     stored_quantization: str = "none"
     # A GGUF's block-quantized 2-D weights (Q8_0, Q4_0, Q4_1) as stored, by HF name: what a
     # block mode serves instead of re-quantizing `tensors`.
-    blocks: dict[str, BlockWeight] = field(default_factory=dict)
+    blocks: Mapping[str, BlockWeight] = field(default_factory=dict)
     # The model's own sampling defaults (runtime/sampling.py's MODEL_DEFAULT_FIELDS), for
     # requests that leave those fields unset: from generation_config.json or a GGUF's
     # general.sampling.* keys, checked (model_generation_defaults).

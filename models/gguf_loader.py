@@ -8,6 +8,7 @@ what comes out equals what transformers loads from the same file.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from pathlib import Path
@@ -22,6 +23,7 @@ from .checkpoint import Checkpoint
 from .config import LlamaConfig
 from .gguf_blocks import BLOCK_TYPES, BlockWeight, read_blocks
 from .gguf_tokenizer import tokenizer_from_gguf
+from .lazy_arrays import LazyArrays
 from .registry import family_named, family_of_gguf
 from .rope import llama3_divisors
 from .sentence_transformers import EmbeddingSpec
@@ -352,7 +354,8 @@ def _row_parts(config: LlamaConfig, name: str) -> dict[str, tuple[int, int]]:
 
 
 def load_gguf(path: str | Path) -> Checkpoint:
-    """Read a GGUF file: config, dequantized float32 tensors in HF names, tokenizer."""
+    """Read a GGUF file: config, float32 tensors in HF names (each dequantized when asked for,
+    models/lazy_arrays.py), the blocks of those Kiln serves as stored, tokenizer."""
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {path} does not exist")
@@ -367,8 +370,7 @@ def load_gguf(path: str | Path) -> Checkpoint:
 
     quantization = stored_quantization([t.tensor_type.name for t in reader.tensors if len(t.shape) == 2])
     keep_blocks = quantization not in ("none", "bf16")
-    tensors: dict[str, np.ndarray] = {}
-    blocks: dict[str, BlockWeight] = {}
+    tensors, blocks = LazyArrays(), LazyArrays()
     rope_freqs = None
     longrope: dict[str, list[float]] = {}
     for t in reader.tensors:
@@ -384,33 +386,22 @@ def load_gguf(path: str | Path) -> Checkpoint:
                                  "before llama.cpp stacked them; convert the model again with a current llama.cpp")
         if hf is None:
             raise ModelLoadError(f"{path}: unexpected tensor {t.name!r} for a {config.architecture} model")
-        try:
-            w = _dequantize(t)
-        except ModelLoadError:
-            raise
-        except Exception as e:
-            raise ModelLoadError(f"{path}: tensor {t.name} is corrupt or truncated ({e})") from e
-        stored = None
-        if keep_blocks and len(t.shape) == 2:
-            stored = read_blocks(t.data, t.tensor_type.name, *w.shape)
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        _check_data_size(t, shape, path)
+        heads = None
         if config.architecture in PERMUTED_QK and (".attn_q." in t.name or ".attn_k." in t.name):
-            n = config.num_attention_heads if ".attn_q." in t.name else config.num_key_value_heads
-            w = unpermute_qk(w, n)
-            if stored is not None:
-                stored = stored.rows_permuted(lambda rows: unpermute_qk(rows, n))
-        if parts := _row_parts(config, hf):
-            rows = max(stop for _, stop in parts.values())
-            if w.shape[0] != rows:
-                raise ModelLoadError(f"{path}: tensor {t.name} has {w.shape[0]} rows, not {rows}")
-            for name, (start, stop) in parts.items():
-                tensors[name] = w[start:stop]
-                if stored is not None:
-                    blocks[name] = stored.rows(start, stop)
-            continue
-        tensors[hf] = w
-        if stored is not None:
-            blocks[hf] = stored
-    del reader
+            heads = config.num_attention_heads if ".attn_q." in t.name else config.num_key_value_heads
+        stored = keep_blocks and len(shape) == 2
+        parts = _row_parts(config, hf) or {hf: (0, shape[0])}
+        if max(stop for _, stop in parts.values()) != shape[0]:
+            raise ModelLoadError(f"{path}: tensor {t.name} has {shape[0]} rows, not "
+                                 f"{max(stop for _, stop in parts.values())}")
+        for name, (start, stop) in parts.items():
+            part = (stop - start, *shape[1:])
+            tensors.add(name, part, functools.partial(_weight, t, heads, start, stop, path))
+            if stored:
+                blocks.add(name, part, functools.partial(_blocks, t, shape, heads, start, stop, path),
+                           kind=t.tensor_type.name)
 
     if longrope:
         if set(longrope) != set(LONGROPE_FACTORS.values()) or config.rope_scaling is not None:
@@ -452,7 +443,43 @@ def load_gguf(path: str | Path) -> Checkpoint:
     )
 
 
-def _check_tensors(config: LlamaConfig, tensors: dict[str, np.ndarray], path: Path) -> None:
+def _weight(tensor, heads: int | None, start: int, stop: int, path: Path) -> np.ndarray:
+    """Rows start..stop of a tensor as float32, in HF's order (Q and K unpermuted for `heads`)."""
+    try:
+        w = _dequantize(tensor)
+    except ModelLoadError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(f"{path}: tensor {tensor.name} is corrupt or truncated ({e})") from e
+    if heads is not None:
+        w = unpermute_qk(w, heads)
+    return w if (start, stop) == (0, w.shape[0]) else np.ascontiguousarray(w[start:stop])
+
+
+def _blocks(tensor, shape: tuple[int, int], heads: int | None, start: int, stop: int, path: Path) -> BlockWeight:
+    """Rows start..stop of a tensor's blocks as stored, in HF's row order."""
+    try:
+        stored = read_blocks(tensor.data, tensor.tensor_type.name, *shape)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: tensor {tensor.name} is corrupt or truncated ({e})") from e
+    if heads is not None:
+        stored = stored.rows_permuted(lambda rows: unpermute_qk(rows, heads))
+    return stored if (start, stop) == (0, shape[0]) else stored.rows(start, stop)
+
+
+def _check_data_size(tensor, shape: tuple[int, ...], path: Path) -> None:
+    """A tensor whose bytes in the file are fewer than its type and shape need: refused at load,
+    before anything asks for its values."""
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES.get(tensor.tensor_type, (1, 0))
+    elements = int(np.prod(shape)) if shape else 1
+    if size and (elements % block or tensor.data.nbytes < elements // block * size):
+        raise ModelLoadError(f"{path}: tensor {tensor.name} is corrupt or truncated ({tensor.data.nbytes} bytes for "
+                             f"{elements} {tensor.tensor_type.name} values)")
+
+
+def _check_tensors(config: LlamaConfig, tensors: LazyArrays, path: Path) -> None:
     c = config
     q_rows, kv_rows = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     expected = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
@@ -496,8 +523,8 @@ def _check_tensors(config: LlamaConfig, tensors: dict[str, np.ndarray], path: Pa
     for name, shape in expected.items():
         if name not in tensors:
             raise ModelLoadError(f"{path}: tensor {name} is missing")
-        if tensors[name].shape != shape:
-            raise ModelLoadError(f"{path}: tensor {name} has shape {tensors[name].shape}, expected {shape}")
+        if tensors.shape(name) != shape:
+            raise ModelLoadError(f"{path}: tensor {name} has shape {tensors.shape(name)}, expected {shape}")
     extra = set(tensors) - set(expected)
     if extra:
         raise ModelLoadError(f"{path}: unexpected tensors {sorted(extra)[:5]}")

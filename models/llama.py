@@ -383,14 +383,16 @@ class PagedLlama(nn.Module):
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        # Not parameters: small constants folded into the program.
-        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
-        local = rope_inverse_frequencies(config, local=True) if config.rope_local_theta is not None else None
-        self.register_buffer("local_inv_freq", local, persistent=False)
-        # LongRoPE: a sequence longer than the original context rotates by its long factors.
-        longrope = rope_type(config) in ("longrope", "su")
-        long = rope_inverse_frequencies(config, long=True) if longrope else None
-        self.register_buffer("long_inv_freq", long, persistent=False)
+        # Not parameters: small constants folded into the program, made on the CPU even where the
+        # model is built on the meta device (models/meta_load.py).
+        with torch.device("cpu"):
+            self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+            local = rope_inverse_frequencies(config, local=True) if config.rope_local_theta is not None else None
+            self.register_buffer("local_inv_freq", local, persistent=False)
+            # LongRoPE: a sequence longer than the original context rotates by its long factors.
+            longrope = rope_type(config) in ("longrope", "su")
+            long = rope_inverse_frequencies(config, long=True) if longrope else None
+            self.register_buffer("long_inv_freq", long, persistent=False)
         self.long_rope_from = config.rope_scaling["original_max_position_embeddings"] if longrope else None
         self.rotary_factor = rope_attention_factor(config)
 

@@ -48,6 +48,8 @@ them as it widens them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -55,6 +57,7 @@ from torch import nn
 from kiln.runtime.config import QUANTIZATIONS
 
 from .gguf_blocks import BLOCK, BlockWeight, quantize_blocks
+from .lazy_arrays import LazyArrays
 
 _INT8_MAX = 127.0
 _TINY = 1e-30  # the scale of an all-zero row: any positive value quantizes it to zeros
@@ -352,26 +355,39 @@ def same_blocks(tables: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t if t.shape[0] == most else t.repeat_interleave(most // t.shape[0], dim=0) for t in tables]
 
 
+def block_type(stored: Mapping[str, BlockWeight], name: str) -> str:
+    """The block type of stored[name], without making it where the blocks are lazy."""
+    return stored.kind(name) if isinstance(stored, LazyArrays) else stored[name].type_name
+
+
 def quantize_model(model: nn.Module, mode: str, matmul=eager_weight_matmul,
-                   stored: dict[str, BlockWeight] | None = None) -> nn.Module:
+                   stored: Mapping[str, BlockWeight] | None = None, load=None) -> nn.Module:
     """Replace every nn.Linear and nn.Embedding under `model` by its quantized form, in place.
     In a block mode, a weight found in `stored` (by parameter name, "model.layers.0.mlp.up_proj.weight")
     keeps those blocks, a GGUF's own, where they are of the mode's type or Q8_0 (any type, for
     "gguf"); the others are quantized to the mode's type.
 
     A replaced weight keeps the device it was placed on (a tensor/pipeline-parallel model's
-    placement is a trait of each parameter)."""
+    placement is a trait of each parameter). `load(child, prefix, weight)`, for a model built on
+    the meta device (models/meta_load.py), makes a module's parameters before it is replaced, its
+    weight only where its stored blocks are not taken instead."""
     if mode == "none":
         return model
     from iree.turbine.aot import DeviceTensorTrait
 
     # A weight stored as the mode's type keeps its blocks, and so does a Q8_0 one (a Q4 file's
     # embedding): exact either way, where re-quantizing would round the file's values again.
-    stored = {name: blocks for name, blocks in (stored or {}).items()
-              if mode == "gguf" or (mode in BLOCK_MODES and blocks.type_name in (BLOCK_MODES[mode], "Q8_0"))}
+    stored = stored or {}
+    kept = {name for name in stored
+            if mode == "gguf" or (mode in BLOCK_MODES and block_type(stored, name) in (BLOCK_MODES[mode], "Q8_0"))}
     for path, module in list(model.named_modules()):
         for name, child in list(module.named_children()):
-            blocks = stored.get(f"{path}.{name}.weight" if path else f"{name}.weight")
+            if type(child) not in (nn.Linear, nn.Embedding):
+                continue
+            weight = f"{path}.{name}.weight" if path else f"{name}.weight"
+            blocks = stored[weight] if weight in kept else None
+            if load is not None:
+                load(child, weight.removesuffix("weight"), blocks is None)
             if type(child) is nn.Linear:
                 replacement = QuantizedLinear(child, mode, matmul, blocks)
             elif type(child) is nn.Embedding:
