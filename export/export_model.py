@@ -157,11 +157,10 @@ def build_model(checkpoint: Checkpoint, options: ExportOptions) -> PagedLlama | 
         return model
 
     dtype = TORCH_DTYPES[options.dtype]
+    mode, matmul = options.quantize, weight_matmul_kernel
     if options.cpu_kernels:
-        mode, matmul = FLOAT32 if options.quantize == "none" and options.dtype == "float32" else options.quantize, \
-            row_matmul_kernel
-    else:
-        mode, matmul = options.quantize, weight_matmul_kernel
+        mode = FLOAT32 if options.quantize == "none" and options.dtype == "float32" else options.quantize
+        matmul = row_matmul_kernel
     try:
         if options.layout.device_count > 1:  # each device's share is cut from the whole model
             model = ShardedPagedLlama(new_model().load_tensors(checkpoint.tensors, dtype=dtype), options.layout)

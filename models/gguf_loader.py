@@ -178,20 +178,37 @@ def _dequantize_blocks(raw: np.ndarray, qtype) -> np.ndarray | None:
 
 
 def _dequantize(tensor) -> np.ndarray:
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    # A copy: the reader's arrays are views of the memory-mapped file.
+    return np.array(_values(tensor.data, tensor.tensor_type, tensor.name), dtype=np.float32, copy=True).reshape(shape)
+
+
+def _values(raw: np.ndarray, qtype, name: str) -> np.ndarray:
+    """A tensor's values from its bytes in the file; a ModelLoadError for a type neither gguf-py
+    nor Kiln dequantizes (Q8_1, or one newer than both), a refusal rather than a missing path."""
     from gguf import GGMLQuantizationType, quants
 
-    qtype = tensor.tensor_type
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
     if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F64, GGMLQuantizationType.I8,
                  GGMLQuantizationType.I16, GGMLQuantizationType.I32, GGMLQuantizationType.I64):
-        data = np.asarray(tensor.data)
-    elif (data := _dequantize_blocks(tensor.data, qtype)) is None:
-        try:
-            data = quants.dequantize(tensor.data, qtype)
-        except NotImplementedError as e:  # Q8_1, or a type newer than both dequantizers
-            raise ModelLoadError(f"tensor {tensor.name}: GGUF type {qtype.name} cannot be dequantized ({e})") from e
-    # A copy: the reader's arrays are views of the memory-mapped file.
-    return np.array(data, dtype=np.float32, copy=True).reshape(shape)
+        return np.asarray(raw)
+    if (data := _dequantize_blocks(raw, qtype)) is not None:
+        return data
+    try:
+        return quants.dequantize(raw, qtype)
+    except NotImplementedError as e:
+        raise ModelLoadError(f"tensor {name}: GGUF type {qtype.name} cannot be dequantized ({e})") from e
+
+
+def _check_dequantizable(tensor, checked: set) -> None:
+    """Refuse, when the file is read, a tensor whose type cannot be dequantized: its values are
+    made only when the export asks for them (one block of zeros per type is tried here)."""
+    from gguf import GGML_QUANT_SIZES
+
+    if tensor.tensor_type in checked:
+        return
+    block_bytes = GGML_QUANT_SIZES.get(tensor.tensor_type, (1, 4))[1]
+    _values(np.zeros(block_bytes, np.uint8), tensor.tensor_type, tensor.name)
+    checked.add(tensor.tensor_type)
 
 
 def _open(path: Path):
@@ -371,6 +388,7 @@ def load_gguf(path: str | Path) -> Checkpoint:
     quantization = stored_quantization([t.tensor_type.name for t in reader.tensors if len(t.shape) == 2])
     keep_blocks = quantization not in ("none", "bf16")
     tensors, blocks = LazyArrays(), LazyArrays()
+    dequantizable: set = set()
     rope_freqs = None
     longrope: dict[str, list[float]] = {}
     for t in reader.tensors:
@@ -388,6 +406,7 @@ def load_gguf(path: str | Path) -> Checkpoint:
             raise ModelLoadError(f"{path}: unexpected tensor {t.name!r} for a {config.architecture} model")
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         _check_data_size(t, shape, path)
+        _check_dequantizable(t, dequantizable)
         heads = None
         if config.architecture in PERMUTED_QK and (".attn_q." in t.name or ".attn_k." in t.name):
             heads = config.num_attention_heads if ".attn_q." in t.name else config.num_key_value_heads

@@ -49,6 +49,24 @@ def test_a_weight_served_from_its_blocks_is_never_dequantized(tiny_q4_1_gguf, mo
     assert len(made) == len(set(made))
 
 
+def test_a_type_no_dequantizer_knows_is_refused_when_the_file_is_read(tiny_gguf, tmp_path, monkeypatch):
+    """Values are made at export, but a type that cannot become values is refused at load: here F16,
+    with gguf-py's dequantizer made to know none (as it knows no Q8_1)."""
+    from gguf import quants
+
+    from kiln.models.gguf_writer import write_gguf
+    from kiln.runtime.errors import ModelLoadError
+
+    f16 = write_gguf(load_checkpoint(tiny_gguf), tmp_path / "f16.gguf", dtype="f16")
+
+    def knows_none(raw, qtype):
+        raise NotImplementedError(f"no dequantizer for {qtype.name}")
+
+    monkeypatch.setattr(quants, "dequantize", knows_none)
+    with pytest.raises(ModelLoadError, match="GGUF type F16 cannot be dequantized"):
+        load_checkpoint(f16)
+
+
 def test_a_truncated_tensor_is_refused_when_the_file_is_read(tiny_q4_1_gguf, tmp_path):
     from kiln.runtime.errors import ModelLoadError
 
