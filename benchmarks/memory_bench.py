@@ -1,9 +1,11 @@
 """Resident memory of a served build against what it must hold: its parameters and its KV cache.
 
-    python -m benchmarks.memory_bench [ARTIFACTS_DIR ...] [--model FILE ...] [--pages 1024] [--json OUT]
+    python -m benchmarks.memory_bench [ARTIFACTS_DIR ...] [--model FILE ...] [--quantize Q ...] [--pages 1024]
+                                      [--json OUT]
 
 Each `--model` (an HF directory or GGUF) is measured in the build `kiln serve --model FILE` makes
-(built if needed); with neither, the bundled SmolLM2's. Each build is loaded in a fresh process
+(built if needed), each `--quantize` in the bundled SmolLM2's as `kiln serve --quantize Q` builds it;
+with none of these, the bundled SmolLM2's default. Each build is loaded in a fresh process
 with no torch in it, as the server loads it (weights as `--parameter-memory auto` places them),
 with a cache of `--pages` pages; it then answers a 512-token prompt (at most half the context) and
 decodes 32 tokens at batch 1 and 4, so that every function has run once and the memory a call
@@ -55,17 +57,20 @@ def measure(artifacts: Path, pages: int) -> dict:
             "ratio_to_parameters": used / (parameters / MiB)}
 
 
-def serve_build(model: Path | None = None) -> Path:
-    """`kiln serve`'s build of `model` (None: the bundled one), in Kiln's keyed cache: built once."""
+def serve_build(model: Path | None = None, quantize: str = "auto") -> Path:
+    """`kiln serve --quantize`'s build of `model` (None: the bundled one), in Kiln's keyed cache:
+    built once."""
     from benchmarks.kiln_offline import build_in_child
 
-    return build_in_child("default_build_options()", model=model)
+    return build_in_child(f"default_build_options(quantize={quantize!r})", model=model)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("artifacts", nargs="*", type=Path)
     parser.add_argument("--model", action="append", type=Path, default=[], help="a model file or directory")
+    parser.add_argument("--quantize", action="append", default=[],
+                        help="the bundled model as `kiln serve --quantize Q` builds it (bf16, int8, q8_0, none, ...)")
     parser.add_argument("--pages", type=int, default=1024, help="the KV cache's pages (default: the default build's)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)  # the child's job
@@ -74,7 +79,8 @@ def main() -> int:
         print(json.dumps(measure(args.measure, args.pages)))
         return 0
     rows = []
-    builds = [*args.artifacts, *map(serve_build, args.model)]
+    builds = [*args.artifacts, *map(serve_build, args.model),
+              *(serve_build(None, quantize) for quantize in args.quantize)]
     for artifacts in builds or [serve_build()]:
         done = subprocess.run([sys.executable, "-m", "benchmarks.memory_bench", "--measure", str(artifacts),
                                "--pages", str(args.pages)], check=True, stdout=subprocess.PIPE, text=True,

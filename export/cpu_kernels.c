@@ -225,10 +225,12 @@ void kiln_row_matmul_bf16(MEMREF_BF16(x), MEMREF_BF16(w), float *y_allocated, fl
  * where isum(g, n) is block g's int8 dot product, xs the input's block scales and xsum its
  * blocks' sums of quantized values (the offset term only when `flags` has Q8_OFFSETS). With
  * Q8_ROW_SCALES, ws holds one scale per row ([N], int8 with row scales) that every block of the
- * row takes. Both scales apply inside the loop, so no per-block partial sums are written out.
+ * row takes. With Q8_HALF_BLOCKS the weight's scales are per half block of 16 ([2 G, N]: Q6_K's
+ * sub-blocks), the input's still per 32, and each half's dot product takes its own scale; no
+ * offsets then. Both scales apply inside the loop, so no per-block partial sums are written out.
  * The int8 x int8 products run as AVX512-VNNI's unsigned x signed dot products: |x| times w with
  * x's sign moved onto w. */
-enum { Q8_OFFSETS = 1, Q8_ROW_SCALES = 2, Q8_ROWS_SHIFT = 2 };
+enum { Q8_OFFSETS = 1, Q8_ROW_SCALES = 2, Q8_HALF_BLOCKS = 4, Q8_ROWS_SHIFT = 3 };
 
 #define MEMREF_I8(name) \
   const int8_t *name##_allocated, const int8_t *restrict name, size_t name##_offset, size_t name##_size, \
@@ -251,12 +253,17 @@ enum { Q8_OFFSETS = 1, Q8_ROW_SCALES = 2, Q8_ROWS_SHIFT = 2 };
     y += y_offset;                                                                                     \
   } while (0)
 
+/* Two 8-float vectors as one of 16, a first. */
+static inline __m512 side_by_side(__m256 a, __m256 b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(a)), _mm256_castps_pd(b), 1));
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static void q8_one_input(const int8_t *q, const float *xs, const float *xsum, const int8_t *w, const float *ws,
                          const float *wo, float *y, size_t n_dim, size_t k_dim, size_t flags, size_t row0,
                          size_t rows) {
   const size_t groups = k_dim / 32;
-  const int has_offset = (flags & Q8_OFFSETS) != 0;
+  const int has_offset = (flags & Q8_OFFSETS) != 0, halves = (flags & Q8_HALF_BLOCKS) != 0;
   /* Block g's scales start at ws + g * scale_stride: the same [N] for every block with row scales. */
   const size_t scale_stride = flags & Q8_ROW_SCALES ? 0 : n_dim;
   size_t end = row0 + rows < n_dim ? row0 + rows : n_dim;
@@ -268,6 +275,13 @@ static void q8_one_input(const int8_t *q, const float *xs, const float *xsum, co
       _mm512_set_epi32(5, 5, 5, 5, 5, 5, 5, 5, 1, 1, 1, 1, 1, 1, 1, 1),
       _mm512_set_epi32(6, 6, 6, 6, 6, 6, 6, 6, 2, 2, 2, 2, 2, 2, 2, 2),
       _mm512_set_epi32(7, 7, 7, 7, 7, 7, 7, 7, 3, 3, 3, 3, 3, 3, 3, 3)};
+  /* With half blocks, lanes 0-3, 4-7, 8-11 and 12-15 are halves 2g, 2g+1, 2g+2 and 2g+3, whose
+   * scales for rows r..r+3 sit at 0-3, 4-7, 8-11 and 12-15 of the scale vector. */
+  const __m512i pick_half[4] = {
+      _mm512_set_epi32(12, 12, 12, 12, 8, 8, 8, 8, 4, 4, 4, 4, 0, 0, 0, 0),
+      _mm512_set_epi32(13, 13, 13, 13, 9, 9, 9, 9, 5, 5, 5, 5, 1, 1, 1, 1),
+      _mm512_set_epi32(14, 14, 14, 14, 10, 10, 10, 10, 6, 6, 6, 6, 2, 2, 2, 2),
+      _mm512_set_epi32(15, 15, 15, 15, 11, 11, 11, 11, 7, 7, 7, 7, 3, 3, 3, 3)};
   size_t r = row0;
   for (; r + 4 <= end; r += 4) {
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -278,16 +292,29 @@ static void q8_one_input(const int8_t *q, const float *xs, const float *xsum, co
       __m512i xv = _mm512_maskz_loadu_epi8(bytes, q + g * 32);
       __m512i magnitude = _mm512_abs_epi8(xv);
       __mmask64 negative = _mm512_movepi8_mask(xv);
-      __m128 sa = _mm_mul_ps(_mm_set1_ps(xs[g]), _mm_loadu_ps(ws + g * scale_stride + r));
-      __m128 sb = pair ? _mm_mul_ps(_mm_set1_ps(xs[g + 1]), _mm_loadu_ps(ws + (g + 1) * scale_stride + r))
-                       : _mm_setzero_ps();
-      __m512 sab = _mm512_castps256_ps512(_mm256_set_m128(sb, sa));
+      __m512 sab;
+      const __m512i *lanes = pick;
+      if (halves) {
+        const __m128 xa = _mm_set1_ps(xs[g]), xb = _mm_set1_ps(pair ? xs[g + 1] : 0.f);
+        const float *h = ws + 2 * g * n_dim + r;
+        __m256 low = _mm256_set_m128(_mm_mul_ps(xa, _mm_loadu_ps(h + n_dim)), _mm_mul_ps(xa, _mm_loadu_ps(h)));
+        __m256 high = pair ? _mm256_set_m128(_mm_mul_ps(xb, _mm_loadu_ps(h + 3 * n_dim)),
+                                             _mm_mul_ps(xb, _mm_loadu_ps(h + 2 * n_dim)))
+                           : _mm256_setzero_ps();
+        sab = side_by_side(low, high);
+        lanes = pick_half;
+      } else {
+        __m128 sa = _mm_mul_ps(_mm_set1_ps(xs[g]), _mm_loadu_ps(ws + g * scale_stride + r));
+        __m128 sb = pair ? _mm_mul_ps(_mm_set1_ps(xs[g + 1]), _mm_loadu_ps(ws + (g + 1) * scale_stride + r))
+                         : _mm_setzero_ps();
+        sab = _mm512_castps256_ps512(_mm256_set_m128(sb, sa));
+      }
       for (int j = 0; j < 4; ++j) {
         _mm_prefetch((const char *)(w + (r + Q8_PREFETCH_ROWS + j) * k_dim + g * 32), _MM_HINT_T0);
         __m512i wv = _mm512_maskz_loadu_epi8(bytes, w + (r + j) * k_dim + g * 32);
         wv = _mm512_mask_sub_epi8(wv, negative, zero, wv);
         __m512i dot = _mm512_dpbusd_epi32(zero, magnitude, wv);
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick[j], sab), acc[j]);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(lanes[j], sab), acc[j]);
       }
       if (has_offset) {
         offsets = _mm_fmadd_ps(_mm_set1_ps(xs[g] * xsum[g]), _mm_loadu_ps(wo + g * n_dim + r), offsets);
@@ -302,9 +329,10 @@ static void q8_one_input(const int8_t *q, const float *xs, const float *xsum, co
   for (; r < end; ++r) {
     float sum = 0.f;
     for (size_t g = 0; g < groups; ++g) {
-      int32_t dot = 0;
-      for (size_t i = 0; i < 32; ++i) dot += (int32_t)q[g * 32 + i] * (int32_t)w[r * k_dim + g * 32 + i];
-      float block = (float)dot * ws[g * scale_stride + r];
+      int32_t dot[2] = {0, 0};
+      for (size_t i = 0; i < 32; ++i) dot[i / 16] += (int32_t)q[g * 32 + i] * (int32_t)w[r * k_dim + g * 32 + i];
+      float block = halves ? (float)dot[0] * ws[2 * g * n_dim + r] + (float)dot[1] * ws[(2 * g + 1) * n_dim + r]
+                           : (float)(dot[0] + dot[1]) * ws[g * scale_stride + r];
       if (has_offset) block += xsum[g] * wo[g * n_dim + r];
       sum += xs[g] * block;
     }
@@ -343,10 +371,6 @@ void kiln_row_matmul_q8(MEMREF_I8(q), MEMREF_F32(xs), MEMREF_F32(xsum), MEMREF_I
  * by side, so the input's shuffle and the block scales are set up once for eight; several input
  * rows read four weight rows, unpacked once for four input rows. */
 enum { Q4_PREFETCH_ROWS = 16 };  /* rows half as long as Q8_0's: the same bytes ahead */
-
-static inline __m512 side_by_side(__m256 a, __m256 b) {
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(a)), _mm256_castps_pd(b), 1));
-}
 
 /* Input blocks g..g+count-1 (count <= 4) as the nibbles meet them: the first halves of the four
  * blocks side by side (x_low), then the last halves (x_high); missing blocks read as zeros. */

@@ -45,8 +45,9 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # Output rows a workgroup computes: enough work per workgroup to hide its dispatch, and enough
 # workgroups for both task workers on the narrowest projection (576 rows: 9 workgroups).
 ROWS_PER_WORKGROUP = 64
-# The int8 kernel's flags hold its input row count above this many bits (cpu_kernels.c).
-Q8_ROWS_SHIFT = 2
+# The int8 kernel's flags (cpu_kernels.c): offsets, row scales, scales per half block of 16, and
+# its input row count above them.
+Q8_OFFSETS, Q8_ROW_SCALES, Q8_HALF_BLOCKS, Q8_ROWS_SHIFT = 1, 2, 4, 3
 # Freestanding code for IREE's embedded ELF loader: position independent, no stack protector
 # (it would call into libc), no unwind tables.
 C_FLAGS = ("-O3", "-mavx512f", "-mfma", "-ffreestanding", "-fPIC", "-fno-stack-protector",
@@ -219,19 +220,20 @@ class row_matmul(CustomOp):
 
 
 def _row_blocks_text(name: str, k: int, n: int, has_offset: bool, packed: bool = False, m: int = 1,
-                     row_scales: bool = False) -> str:
+                     row_scales: bool = False, half_blocks: bool = False) -> str:
     """A module holding the block kernel's executable and `name`, which dispatches it on `m` rows
     of quantized input (q [M, K] int8, its block scales xs [M, G] and, with offsets, its block
     sums xsum [M, G]) and a block weight (w [N, K] int8, scales ws [G, N], offsets wo [G, N]) for
     y [M, N] in float32. Without offsets, xs and ws stand in for the unread xsum and wo.
     `row_scales`: an int8 weight with a scale per row (ws [N]) that every block takes.
+    `half_blocks`: a scale per half block of 16 (ws [2 G, N], Q6_K's), no offsets.
     `packed`: the 4-bit kernel, w holding values two a byte ([N, K / 2]) with offsets. The
     executable reads every size from its operands, so those of all shapes are one and the same
     (IREE merges them; executables of one name and different bodies would clash)."""
     groups, width = k // BLOCK, k // 2 if packed else k
     i8, f32 = "memref<?xi8>", "memref<?xf32>"
     input_sums = ((m, groups), "f32")
-    scales = (n,) if row_scales else (groups, n)
+    scales = (n,) if row_scales else (2 * groups if half_blocks else groups, n)
     operands = [("q", (m, k), "i8"), ("xs", *input_sums), ("w", (n, width), "i8"), ("ws", scales, "f32")]
     if has_offset:
         operands += [("xsum", *input_sums), ("wo", (groups, n), "f32")]
@@ -244,25 +246,32 @@ def _row_blocks_text(name: str, k: int, n: int, has_offset: bool, packed: bool =
     if not has_offset:
         flat["xsum"], flat["wo"] = flat["xs"], flat["ws"]
     # The third size operand: how many input rows the 4-bit kernel (which always adds offsets)
-    # takes, or the int8 kernel's flags (Q8_OFFSETS 1, Q8_ROW_SCALES 2 in cpu_kernels.c) with the
-    # row count above them (Q8_ROWS_SHIFT). The row count is an operand, so that one body serves
-    # every shape.
+    # takes, or the int8 kernel's flags with the row count above them (Q8_ROWS_SHIFT). The row
+    # count is an operand, so that one body serves every shape.
     if packed:
         symbol, third, m_line = "kiln_row_matmul_q4", m, "%m = arith.addi %third, %c0 : index"
     else:
-        symbol, third = "kiln_row_matmul_q8", int(has_offset) | 2 * row_scales | m << Q8_ROWS_SHIFT
+        symbol = "kiln_row_matmul_q8"
+        third = (Q8_OFFSETS * has_offset | Q8_ROW_SCALES * row_scales | Q8_HALF_BLOCKS * half_blocks
+                 | m << Q8_ROWS_SHIFT)
         m_line = f"%rows_shift = arith.constant {Q8_ROWS_SHIFT} : index\n      %m = arith.shrui %third, %rows_shift : index"
     export = "row_nibbles" if packed else "row_blocks"  # one name per body: IREE links them all into one
     w_size = "%nk_packed" if packed else "%nk"
-    # The scale (and offset) tables' length: [G, N], or [N] where the int8 kernel's flags say row
-    # scales (its offsets, when it has any, are [G, N] as its scales are; without, wo is ws).
+    # The scale (and offset) tables' length: [G, N], [N] where the int8 kernel's flags say row
+    # scales, [2 G, N] where they say half blocks (its offsets, when it has any, are [G, N] as its
+    # scales are; without, wo is ws).
     ws_size = ("%ws_size = arith.muli %groups, %n : index" if packed else
-               """%scale_flag = arith.andi %third, %c2 : index
+               f"""%scale_flag = arith.andi %third, %c2 : index
       %per_row = arith.cmpi ne, %scale_flag, %c0 : index
       %c1 = arith.constant 1 : index
-      %scale_rows = arith.select %per_row, %c1, %groups : index
+      %c_half = arith.constant {Q8_HALF_BLOCKS} : index
+      %half_flag = arith.andi %third, %c_half : index
+      %per_half = arith.cmpi ne, %half_flag, %c0 : index
+      %halves = arith.muli %groups, %c2 : index
+      %block_rows = arith.select %per_half, %halves, %groups : index
+      %scale_rows = arith.select %per_row, %c1, %block_rows : index
       %ws_size = arith.muli %scale_rows, %n : index""")
-    ws_elements = n if row_scales else groups * n
+    ws_elements = n if row_scales else scales[0] * n
     flat_types = (f"tensor<{m * k}xi8>, tensor<{m * groups}xf32>, tensor<{m * groups}xf32>, tensor<{n * width}xi8>, "
                   f"tensor<{ws_elements}xf32>, tensor<{ws_elements}xf32>")
     return f"""module {{
@@ -322,8 +331,10 @@ def _check_row_blocks(ksel: KernelSelection, count: int, packed: bool = False):
     torch._check(w.t.shape[1] == width and q.t.shape[1] % BLOCK == 0,
                  lambda: f"row_blocks: K a multiple of {BLOCK}, the same in q and w")
     groups, n = q.t.shape[1] // BLOCK, w.t.shape[0]
-    torch._check(tuple(ws.t.shape) in ((groups, n), (n,)) and tuple(xs.t.shape) == (q.t.shape[0], groups),
-                 lambda: "row_blocks: input scales xs [M, G], block scales ws [G, N] (or row scales ws [N])")
+    shapes = ((groups, n), (n,)) if packed or count == 6 else ((groups, n), (n,), (2 * groups, n))
+    torch._check(tuple(ws.t.shape) in shapes and tuple(xs.t.shape) == (q.t.shape[0], groups),
+                 lambda: "row_blocks: input scales xs [M, G], block scales ws [G, N] (or row scales ws [N], "
+                         "or scales per half block ws [2 G, N] without offsets)")
     floats = [arg for index, arg in enumerate(args) if index not in (0, 2)]
     torch._check(all(a.t.dtype == torch.float32 for a in floats), lambda: "row_blocks: float32 scales and sums")
     for arg in args:
@@ -339,9 +350,14 @@ def eager_rows_blocks(q, xs, w, ws, xsum=None, wo=None):
 
 def eager_row_blocks(q, xs, w, ws, xsum=None, wo=None):
     """The block kernel's arithmetic in torch for one input row (q [1, K], xs and xsum [G]):
-    block g's int8 sum times ws[g] (ws [G, N]; or the row scales ws [N] for every block), plus
-    xsum[g] times wo[g], times xs[g], summed over the blocks."""
+    block g's int8 sum times ws[g] (ws [G, N]; or the row scales ws [N] for every block; or with
+    ws [2 G, N] each half block's sum times its own), plus xsum[g] times wo[g], times xs[g],
+    summed over the blocks."""
     groups = q.shape[1] // BLOCK
+    if ws.dim() == 2 and ws.shape[0] == 2 * groups:
+        halves = (q.view(2 * groups, 1, BLOCK // 2).double()
+                  @ w.view(-1, 2 * groups, BLOCK // 2).permute(1, 2, 0).double()).float()[:, 0, :] * ws
+        return (halves.view(groups, 2, -1).sum(dim=1) * xs.view(-1, 1)).sum(dim=0, keepdim=True)
     sums = (q.view(groups, 1, BLOCK).double() @ w.view(-1, groups, BLOCK).permute(1, 2, 0).double()).float()
     blocks = sums[:, 0, :] * ws  # [G, N]
     if wo is not None:
@@ -351,9 +367,10 @@ def eager_row_blocks(q, xs, w, ws, xsum=None, wo=None):
 
 @CustomOp.register(library=KILN_LIBRARY)
 class row_blocks(CustomOp):
-    """A block-quantized weight (w [N, K] int8, ws [G, N]), or an int8 one with row scales
-    (ws [N]), times M int8 rows in blocks of 32 (q [M, K], xs [M, G]): float32 [M, N], through the
-    hand-written kernel, each row's result the same whatever rows share the call."""
+    """A block-quantized weight (w [N, K] int8, ws [G, N], or [2 G, N] with a scale per half block),
+    or an int8 one with row scales (ws [N]), times M int8 rows in blocks of 32 (q [M, K], xs [M, G]):
+    float32 [M, N], through the hand-written kernel, each row's result the same whatever rows share
+    the call."""
 
     signature = "row_blocks(Tensor q, Tensor xs, Tensor w, Tensor ws) -> Tensor"
 
@@ -366,9 +383,12 @@ class row_blocks(CustomOp):
     def generate(self, ksel: KernelSelection, kb: KernelBuilder):
         m = ir.RankedTensorType(kb.arg_bindings[0].type).shape[0]
         n, k = ir.RankedTensorType(kb.arg_bindings[2].type).shape
-        row_scales = ir.RankedTensorType(kb.arg_bindings[3].type).rank == 1
-        name = f"kiln_row_blocks_{'row_scales_' if row_scales else ''}{m}x{n}x{k}"
-        emit_function(kb, name, _row_blocks_text(name, k, n, has_offset=False, m=m, row_scales=row_scales))
+        scales = ir.RankedTensorType(kb.arg_bindings[3].type).shape
+        row_scales, half_blocks = len(scales) == 1, len(scales) == 2 and scales[0] == 2 * (k // BLOCK)
+        form = "row_scales_" if row_scales else "half_blocks_" if half_blocks else ""
+        name = f"kiln_row_blocks_{form}{m}x{n}x{k}"
+        emit_function(kb, name, _row_blocks_text(name, k, n, has_offset=False, m=m, row_scales=row_scales,
+                                                 half_blocks=half_blocks))
 
 
 @CustomOp.register(library=KILN_LIBRARY)

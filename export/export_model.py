@@ -7,7 +7,6 @@ directory that looks complete.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shutil
@@ -18,7 +17,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from iree.turbine import aot
 
 from kiln.models.checkpoint import Checkpoint
 from kiln.models.config import SLIDING
@@ -41,6 +39,7 @@ from .cpu_kernels import OBJECT_FILE, build_object, row_matmul_kernel, support_p
 from .exporter import TORCH_DTYPES, trace_module
 from .options import ExportOptions
 from .page_gather import gather_pages
+from .parameter_file import Spill, return_freed_memory, save_parameters
 from .weight_matmul import weight_matmul_kernel
 
 ARTIFACT_NAMES = (MLIR_FILE, PARAMETERS_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
@@ -143,9 +142,11 @@ def with_decode_buckets(checkpoint: Checkpoint, options: ExportOptions) -> Expor
     return replace(options, decode_buckets=(options.max_seq_len,) if in_place else ())
 
 
-def build_model(checkpoint: Checkpoint, options: ExportOptions) -> PagedLlama | ShardedPagedLlama:
+def build_model(checkpoint: Checkpoint, options: ExportOptions, spill: Spill | None = None
+                ) -> PagedLlama | ShardedPagedLlama:
     """The model to trace: one device's, built on the meta device and filled in a weight at a time
-    as each is quantized (models/meta_load.py), or cut and placed over the options' device layout."""
+    as each is quantized (models/meta_load.py), each moved to `spill`'s file once made, or cut and
+    placed over the options' device layout."""
     in_place = attention_in_place(checkpoint, options)
     module = family_named(checkpoint.config.architecture).module_class()
 
@@ -168,7 +169,7 @@ def build_model(checkpoint: Checkpoint, options: ExportOptions) -> PagedLlama | 
         else:
             model = load_streamed(new_model, checkpoint.tensors, dtype,
                                   lambda model, load: quantize_model(model, mode, matmul, checkpoint.blocks, load),
-                                  optional=("lm_head.weight",))
+                                  optional=("lm_head.weight",), spill=spill.spill if spill else None)
     except ModelLoadError:
         raise
     except (ValueError, RuntimeError) as error:
@@ -179,17 +180,9 @@ def build_model(checkpoint: Checkpoint, options: ExportOptions) -> PagedLlama | 
         in_place = options.cpu_kernels and lora_kernel.supports(features, options.lora_rank)
         model.lora_inputs = attach_lora(model, options.lora_modules, lora_kernel.lora_delta if in_place else None)
     stack_attention_projections(model)
+    if spill is not None:
+        spill.spill(model)
     return model
-
-
-def return_freed_memory() -> None:
-    """Hand the memory freed while building the model back to the system (glibc's malloc_trim):
-    decoding a GGUF's blocks a weight at a time leaves ~0.9 GB of freed temporaries in the heap
-    at 1.5B, which glibc keeps through the whole trace otherwise. A no-op elsewhere."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def export_model(checkpoint: Checkpoint, options: ExportOptions, output_dir: Path, log=print) -> ExportedModel:
@@ -226,14 +219,16 @@ def export_model(checkpoint: Checkpoint, options: ExportOptions, output_dir: Pat
     scratch = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
     try:
         started = time.monotonic()
-        model = build_model(checkpoint, options)
+        spilled = Spill(scratch / "weights.spill")
+        model = build_model(checkpoint, options, spilled)
         return_freed_memory()
-        weights = "" if options.quantize == "none" else f" ({options.quantize} weights)"
-        log(f"built the {options.dtype} model{weights} in {time.monotonic() - started:.1f}s")
+        built = (f"the {options.dtype} model" if options.quantize == "none"
+                 else f"the model ({options.quantize} weights, {options.dtype} activations)")
+        log(f"built {built} in {time.monotonic() - started:.1f}s")
 
         started = time.monotonic()
-        aot.externalize_module_parameters(model, external_scope=PARAMETER_SCOPE)
-        aot.save_module_parameters(scratch / PARAMETERS_FILE, model)
+        save_parameters(model, scratch / PARAMETERS_FILE, PARAMETER_SCOPE, spilled)
+        return_freed_memory()
         log(f"saved parameters ({(scratch / PARAMETERS_FILE).stat().st_size / 2**20:.1f} MiB) "
             f"in {time.monotonic() - started:.1f}s")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap
 import re
 from pathlib import Path
 from typing import Any
@@ -388,6 +389,7 @@ def load_gguf(path: str | Path) -> Checkpoint:
     quantization = stored_quantization([t.tensor_type.name for t in reader.tensors if len(t.shape) == 2])
     keep_blocks = quantization not in ("none", "bf16")
     tensors, blocks = LazyArrays(), LazyArrays()
+    pages = MappedPages(reader.data)
     dequantizable: set = set()
     rope_freqs = None
     longrope: dict[str, list[float]] = {}
@@ -417,9 +419,9 @@ def load_gguf(path: str | Path) -> Checkpoint:
                                  f"{max(stop for _, stop in parts.values())}")
         for name, (start, stop) in parts.items():
             part = (stop - start, *shape[1:])
-            tensors.add(name, part, functools.partial(_weight, t, heads, start, stop, path))
+            tensors.add(name, part, functools.partial(_weight, t, heads, start, stop, path, pages))
             if stored:
-                blocks.add(name, part, functools.partial(_blocks, t, shape, heads, start, stop, path),
+                blocks.add(name, part, functools.partial(_blocks, t, shape, heads, start, stop, path, pages),
                            kind=t.tensor_type.name)
 
     if longrope:
@@ -462,7 +464,30 @@ def load_gguf(path: str | Path) -> Checkpoint:
     )
 
 
-def _weight(tensor, heads: int | None, start: int, stop: int, path: Path) -> np.ndarray:
+class MappedPages:
+    """Lets go of the pages of a memory-mapped file under an array once what was asked of it is made.
+
+    The reader maps the whole file, and every page a weight was read from stays in this process's
+    resident memory until the mapping closes: by the end of an export, the file's size beside the
+    model (1.1 GB at 1.5B, 4.4 GB at 8B). Dropped, a page read again comes back from the page cache.
+    """
+
+    def __init__(self, whole: np.ndarray):
+        self._mapping = getattr(whole, "_mmap", None)  # np.memmap's own mmap, from the file's first byte
+        self._base = whole.ctypes.data if self._mapping is not None else 0
+
+    def drop(self, array: np.ndarray) -> None:
+        if self._mapping is None or not hasattr(self._mapping, "madvise") or array.nbytes == 0:
+            return
+        start = array.ctypes.data - self._base
+        if not 0 <= start < len(self._mapping):
+            return  # not a view of this mapping
+        first = start // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(len(self._mapping), start + array.nbytes)
+        self._mapping.madvise(mmap.MADV_DONTNEED, first, end - first)
+
+
+def _weight(tensor, heads: int | None, start: int, stop: int, path: Path, pages: MappedPages) -> np.ndarray:
     """Rows start..stop of a tensor as float32, in HF's order (Q and K unpermuted for `heads`)."""
     try:
         w = _dequantize(tensor)
@@ -470,17 +495,20 @@ def _weight(tensor, heads: int | None, start: int, stop: int, path: Path) -> np.
         raise
     except Exception as e:
         raise ModelLoadError(f"{path}: tensor {tensor.name} is corrupt or truncated ({e})") from e
+    pages.drop(tensor.data)
     if heads is not None:
         w = unpermute_qk(w, heads)
     return w if (start, stop) == (0, w.shape[0]) else np.ascontiguousarray(w[start:stop])
 
 
-def _blocks(tensor, shape: tuple[int, int], heads: int | None, start: int, stop: int, path: Path) -> BlockWeight:
+def _blocks(tensor, shape: tuple[int, int], heads: int | None, start: int, stop: int, path: Path,
+            pages: MappedPages) -> BlockWeight:
     """Rows start..stop of a tensor's blocks as stored, in HF's row order."""
     try:
         stored = read_blocks(tensor.data, tensor.tensor_type.name, *shape)
     except Exception as e:
         raise ModelLoadError(f"{path}: tensor {tensor.name} is corrupt or truncated ({e})") from e
+    pages.drop(tensor.data)
     if heads is not None:
         stored = stored.rows_permuted(lambda rows: unpermute_qk(rows, heads))
     return stored if (start, stop) == (0, shape[0]) else stored.rows(start, stop)

@@ -62,7 +62,7 @@ def _encode(w: np.ndarray, dtype: str, name: str):
     return w.astype(np.float16), None
 
 
-def _add_value(writer, key: str, value: Any) -> None:
+def add_value(writer, key: str, value: Any) -> None:
     if isinstance(value, bool):
         writer.add_bool(key, value)
     elif isinstance(value, int):
@@ -170,7 +170,7 @@ def write_gguf(checkpoint: Checkpoint, path: str | Path, dtype: str = "f32") -> 
     for key, token_id in zip(("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"), extra):
         meta[key] = token_id
     for key, value in meta.items():
-        _add_value(w, key, value)
+        add_value(w, key, value)
 
     # Tensors.
     tensors = checkpoint.tensors

@@ -43,19 +43,26 @@ def materialize(module: nn.Module, prefix: str, tensors: Mapping, dtype: torch.d
 
 
 def load_streamed(build: Callable[[], nn.Module], tensors: Mapping, dtype: torch.dtype,
-                  place: Callable[[nn.Module, Callable], nn.Module], optional: tuple[str, ...] = ()) -> nn.Module:
+                  place: Callable[[nn.Module, Callable], nn.Module], optional: tuple[str, ...] = (),
+                  spill: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """The model `build` makes, built on the meta device, its weights from `tensors` as `dtype`.
     `place(model, load)` replaces modules as it goes (quantizes them), calling
     `load(module, prefix, weight)` first for each, which makes its parameters (its weight only if
-    `weight`); what it leaves on the meta device is made after it."""
+    `weight`); what it leaves on the meta device is made after it. `spill(model)`, if given, is
+    called before each weight is made and at the end, so that what is made can leave memory as the
+    model grows (export/parameter_file.py)."""
     with torch.device("meta"):
         model = build()
     check_names(model, tensors, optional)
 
     def load(module: nn.Module, prefix: str, weight: bool = True) -> None:
+        if spill is not None:
+            spill(model)
         materialize(module, prefix, tensors, dtype, skip=() if weight else ("weight",))
 
     model = place(model, load)
     for path, module in model.named_modules():
         materialize(module, f"{path}." if path else "", tensors, dtype)
+    if spill is not None:
+        spill(model)
     return model

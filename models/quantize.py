@@ -38,7 +38,9 @@ may also offer `matmul.rows_blocks(q [M, K], xs [M, G], w [N, K], ws [G, N], xsu
 a block weight times M quantized rows of input whole (both scales, the offset term and the sum
 over the blocks in one call), each row's result the same whatever rows share the call: a
 one-token product in blocks of 32 (a decode step at any batch size) then goes there instead, and
-so does an int8 one with row scales (ws [N], its input quantized per 32 rather than per group). And
+so do Q6_K's blocks of 16 (ws [2 G, N], a scale per half block; its input quantized per 32 rather
+than per 16) and an int8 one with row scales (ws [N], its input quantized per 32 rather than per
+group). And
 `matmul.rows_nibbles(q [M, K], xs [M, G], w [N, K / 2], ws, xsum [M, G], wo)`, the same for M
 rows of input and 4-bit values stored two a byte (`pack_nibbles`): where the kernel offers it,
 the 4-bit types (NIBBLE_TYPES) keep their values that way and every one-token product (a decode
@@ -186,9 +188,12 @@ def weight_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     blocks = scale.dim() == 2
     group = k // scale.shape[0] if blocks else activation_group(k)
     whole = getattr(matmul, "rows_blocks", None)
-    # The rows whole through the block kernel: blocks of 32, or int8 with row scales (every block
-    # of a row takes the row's scale; its input quantized per 32 rather than per group).
-    if whole is not None and (group == BLOCK if blocks else k % BLOCK == 0):
+    # The rows whole through the block kernel: blocks of 32; half blocks of 16 without offsets
+    # (Q6_K's, each half its own scale, the input quantized per 32); or int8 with row scales (every
+    # block of a row takes the row's scale; its input quantized per 32 rather than per group).
+    fits = group == BLOCK or (group == BLOCK // 2 and offset is None and k % BLOCK == 0) if blocks else (
+        k % BLOCK == 0)
+    if whole is not None and fits:
         q, row_scale, x_sum = _blocks_of_input(rows)
         out = whole(q, row_scale, weight, scale, None if offset is None else x_sum, offset)
         return out.view(*x.shape[:-1], n)

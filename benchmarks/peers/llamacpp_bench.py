@@ -3,6 +3,7 @@ llama_decode). Runs inside the llamacpp venv; prints one JSON object on stdout.
 
     python llamacpp_bench.py offline MODEL.gguf
     python llamacpp_bench.py greedy MODEL.gguf '[ids...]' N
+    python llamacpp_bench.py scale MODEL.gguf       # a model too big for `offline`'s repeats
 
 The low-level API lets batch 8 be 8 sequence ids in one llama_batch, as a server's
 continuous batching does, and lets us time llama_decode alone (no sampler, no detokenize).
@@ -122,6 +123,28 @@ def offline(path: str) -> dict:
     return result
 
 
+def scale(path: str, prompt: int = 128, steps: int = 32) -> dict:
+    """A large model's figures in minutes: its load, one timed `prompt`-token prefill after a warm-up,
+    and `steps` decode steps at batch 1 after it."""
+    rng = np.random.default_rng(0)
+    start = time.perf_counter()
+    engine = Engine(path, n_ctx=2 * (prompt + steps))
+    load_s = time.perf_counter() - start
+    ids = rng.integers(100, engine.n_vocab - 100, size=prompt)
+    engine.prompt(ids[:16])  # warm-up
+    engine.clear()
+    start = time.perf_counter()
+    nxt = engine.prompt(ids)
+    prefill_ms = (time.perf_counter() - start) * 1e3
+    start = time.perf_counter()
+    for step in range(steps):
+        engine.fill([nxt], [prompt + step], [0], [1])
+        nxt = int(engine.run(1)[0].argmax())
+    decode = steps / (time.perf_counter() - start)
+    return {"load_s": round(load_s, 2), f"prefill_{prompt}_ms": round(prefill_ms, 1),
+            "decode_bs1_tok_s": round(decode, 3), "threads": THREADS}
+
+
 def greedy(path: str, ids: list[int], n: int) -> dict:
     engine = Engine(path, n_ctx=len(ids) + n + 16)
     out = [engine.prompt(ids)]
@@ -136,6 +159,8 @@ def main(argv: list[str]) -> None:
     L.llama_backend_init()
     if argv[0] == "offline":
         result = offline(argv[1])
+    elif argv[0] == "scale":
+        result = scale(argv[1])
     elif argv[0] == "greedy":
         result = greedy(argv[1], json.loads(argv[2]), int(argv[3]))
     else:

@@ -140,15 +140,15 @@ def test_the_kernel_matches_numpy_with_row_and_channel_tails(tmp_path, k, n, ele
 
 
 def _compile_blocks_alone(directory, k: int, n: int, has_offset: bool, packed: bool = False, m: int = 1,
-                          row_scales: bool = False):
+                          row_scales: bool = False, half_blocks: bool = False):
     import iree.runtime as rt
 
     name = f"kiln_row_nibbles_{m}x{n}x{k}" if packed else f"kiln_row_blocks_{n}x{k}"
-    body = cpu_kernels._row_blocks_text(name, k, n, has_offset, packed, m, row_scales).strip()
+    body = cpu_kernels._row_blocks_text(name, k, n, has_offset, packed, m, row_scales, half_blocks).strip()
     groups = k // 32
     width = k // 2 if packed else k
     input_sums = f"tensor<{m}x{groups}xf32>"
-    scales = f"tensor<{n}xf32>" if row_scales else f"tensor<{groups}x{n}xf32>"
+    scales = f"tensor<{n}xf32>" if row_scales else f"tensor<{2 * groups if half_blocks else groups}x{n}xf32>"
     types = [f"tensor<{m}x{k}xi8>", input_sums, f"tensor<{n}x{width}xi8>", scales]
     if has_offset:
         types += [input_sums, f"tensor<{groups}x{n}xf32>"]
@@ -169,23 +169,23 @@ util.func public @main({arguments}) -> tensor<{m}x{n}xf32> {{
     return context.modules.module.main
 
 
-@pytest.mark.parametrize("scales", ["blocks", "offsets", "rows"])
+@pytest.mark.parametrize("scales", ["blocks", "offsets", "rows", "halves"])
 @pytest.mark.parametrize("k,n", [(64, 37), (96, 130), (1536, 576)])
 def test_the_block_kernel_matches_its_eager_form(tmp_path, k, n, scales):
     """An odd number of blocks (96: three, the last one alone), rows not a multiple of 4 or of
     64, int8 values over their whole range and negative inputs (the sign moved onto w); scales
-    per block, per block with offsets, or per row (int8 with row scales, every block taking its
-    row's)."""
+    per block, per block with offsets, per row (int8 with row scales, every block taking its
+    row's), or per half block of 16 (Q6_K's)."""
     import torch
 
-    has_offset, row_scales = scales == "offsets", scales == "rows"
-    main = _compile_blocks_alone(tmp_path, k, n, has_offset, row_scales=row_scales)
-    rng = np.random.default_rng(k + n + has_offset + 2 * row_scales)
+    has_offset, row_scales, halves = scales == "offsets", scales == "rows", scales == "halves"
+    main = _compile_blocks_alone(tmp_path, k, n, has_offset, row_scales=row_scales, half_blocks=halves)
+    rng = np.random.default_rng(k + n + has_offset + 2 * row_scales + 4 * halves)
     groups = k // 32
     q = rng.integers(-127, 128, (1, k)).astype(np.int8)
     w = rng.integers(-127, 128, (n, k)).astype(np.int8)
     xs = rng.uniform(0.001, 0.02, groups).astype(np.float32)
-    ws = rng.uniform(0.001, 0.02, n if row_scales else (groups, n)).astype(np.float32)
+    ws = rng.uniform(0.001, 0.02, n if row_scales else (2 * groups if halves else groups, n)).astype(np.float32)
     args = [q, xs, w, ws]
     if has_offset:
         args += [q.reshape(groups, 32).sum(axis=1).astype(np.float32), rng.uniform(-0.1, 0.1, (groups, n)).astype(np.float32)]
@@ -271,8 +271,8 @@ def test_a_rows_result_is_the_same_whatever_rows_share_the_call(tmp_path, kind):
 
 
 def test_every_function_matches_the_eager_model(kernel_export):
-    """Prefill at batch 4 (IREE's matmuls), then decode at batch 1 and 4 (the kernels; IREE's for
-    the block types of 16), and prefill_last's output head over one
+    """Prefill at batch 4 (IREE's matmuls), then decode at batch 1 and 4 (the kernels, Q6_K's
+    blocks of 16 with a scale per half block), and prefill_last's output head over one
     position (the kernels), against the eager model with the same weights, whose one-row products
     take the per-block path. bf16 holds the bf16 tolerance of the quantized exports' tests
     (tests/export/test_quantized_export.py says why); the block types are integer sums up to
@@ -281,7 +281,9 @@ def test_every_function_matches_the_eager_model(kernel_export):
     tolerance = 4e-3 if weights == "bf16" else 1e-4
     mlir = (artifacts / "model.mlir").read_text()
     if weights in ("q4_1", "gguf"):  # the 4-bit layers' kernel; Q4_1's head (Q8_0) the int8 one, in one module
-        assert "@row_nibbles" in mlir and ("@row_blocks" in mlir) == (weights == "q4_1")
+        assert "@row_nibbles" in mlir and "@row_blocks" in mlir
+    if weights == "gguf":  # Q6_K's v in the int8 kernel, a scale per half block
+        assert "flow.dispatch @kiln_row_blocks_half_blocks_" in mlir
     if weights == "int8":  # its row scales in the int8 block kernel
         assert "flow.dispatch @kiln_row_blocks_row_scales_" in mlir
     program = Program(Artifacts.in_directory(artifacts))

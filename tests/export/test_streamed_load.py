@@ -4,6 +4,8 @@ and no weight alive in float32 beside the others."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -74,3 +76,36 @@ def test_a_truncated_tensor_is_refused_when_the_file_is_read(tiny_q4_1_gguf, tmp
     cut.write_bytes(tiny_q4_1_gguf.read_bytes()[:-4096])
     with pytest.raises(ModelLoadError, match="corrupt or truncated|not a readable GGUF"):
         load_checkpoint(cut)
+
+
+def resident_kib(path) -> int:
+    """This process's resident KiB in its mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header line
+            inside = len(fields) >= 6 and fields[5] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+def test_the_files_pages_are_let_go_once_each_weight_is_made(tmp_path):
+    """The reader maps the whole file: pages read for a weight would stay resident to the end of the
+    export, the file's size beside the model, unless dropped once the weight is made. (The kernel
+    maps up to 64 KiB around each page read: the file has weights of MBs, as real ones are.)"""
+    from gguf import GGUFReader
+
+    from benchmarks import synthetic_gguf
+
+    path = synthetic_gguf.write(tmp_path / "model.gguf", synthetic_gguf.SHAPES["tiny"], "Q4_0", log=lambda line: None)
+    size_kib = path.stat().st_size // 1024
+    checkpoint = load_checkpoint(path)
+    for name in checkpoint.tensors:  # as the default export asks: the blocks where they are kept
+        (checkpoint.blocks if name in checkpoint.blocks else checkpoint.tensors)[name]
+    dropped = resident_kib(path)
+
+    reader = GGUFReader(path)  # the same reads, nothing dropped: the measure sees the pages
+    assert all(t.data.sum() >= 0 for t in reader.tensors)
+    assert resident_kib(path) - dropped > size_kib * 3 // 4
+    assert dropped < size_kib // 4

@@ -1,0 +1,203 @@
+"""A large model from file to served tokens, each step timed and its memory measured, beside llama.cpp
+on the same file.
+
+    python -m benchmarks.scale_bench --model FILE
+    python -m benchmarks.scale_bench --synthetic llama-3.1-8b [--type Q4_0] [--dir DIR]
+
+With `--synthetic`, the file is first written with that model's shapes and random weights
+(benchmarks/synthetic_gguf.py). Then, each in a process of its own, one after the other:
+- the export `kiln serve --model FILE` makes (its default build options), then its compile for this
+  CPU: wall time and the peak resident memory of the process tree (and the anonymous part of it,
+  the rest being the file's pages the system may drop), against 1.5 x the file;
+- the built model loaded as the server loads it (no torch): load time, a 128-token prefill and 32
+  greedy decode steps at batch 1, resident memory after them less the KV cache, against
+  1.15 x the parameters + 300 MiB;
+- `kiln serve --artifacts DIR`: seconds until /health answers 200, and its resident memory then;
+- llama.cpp on the same file (llama-cpp-python, 2 threads): load, the same prefill and decode.
+Figures go to results/scale-<file stem>-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+from benchmarks.peers import llamacpp
+from benchmarks.peers.common import free_port, heavy_lock, log, wait_http
+
+HERE = Path(__file__).resolve().parent.parent
+MiB = 2**20
+PROMPT, STEPS = 128, 32
+
+
+def _tree(pid: int) -> list[int]:
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return [pid]
+    return [pid, *(p for child in children for p in _tree(int(child)))]
+
+
+def _resident(pid: int) -> tuple[float, float]:
+    """(VmRSS, RssAnon) of one process in MiB; zeros once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            fields = dict(line.split(":", 1) for line in status if ":" in line)
+        return int(fields["VmRSS"].split()[0]) / 1024, int(fields["RssAnon"].split()[0]) / 1024
+    except (OSError, KeyError):
+        return 0.0, 0.0
+
+
+def run_watched(argv: list[str]) -> dict:
+    """Run `argv` to its end: its wall time, the peak resident memory of its process tree (all of it,
+    and the anonymous part), and what it printed last on stdout."""
+    started = time.monotonic()
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=HERE)
+    peak_rss = peak_anon = 0.0
+    while process.poll() is None:
+        figures = [_resident(pid) for pid in _tree(process.pid)]
+        peak_rss = max(peak_rss, sum(rss for rss, _ in figures))
+        peak_anon = max(peak_anon, sum(anon for _, anon in figures))
+        time.sleep(0.2)
+    out = process.stdout.read()
+    if process.returncode:
+        raise RuntimeError(f"{argv[:4]} failed with {process.returncode}")
+    return {"seconds": round(time.monotonic() - started, 1), "peak_rss_mib": round(peak_rss),
+            "peak_anon_mib": round(peak_anon), "last_line": out.strip().splitlines()[-1] if out.strip() else ""}
+
+
+def export_step(model: Path, output: Path) -> dict:
+    """`kiln serve --model`'s export of `model` (its default build options) into `output`."""
+    code = ("import sys\nfrom pathlib import Path\nfrom kiln.export.build import build, default_build_options\n"
+            f"build(Path({str(model)!r}), default_build_options(), [], output_dir=Path({str(output)!r}), "
+            "log=lambda m: print(m, file=sys.stderr, flush=True))\n")
+    return run_watched([sys.executable, "-c", code])
+
+
+def compile_step(output: Path) -> dict:
+    """The export in `output` compiled for this CPU, as `kiln serve` compiles it."""
+    code = ("import sys\nfrom pathlib import Path\nfrom kiln.export.compile import compile_vmfb\n"
+            "from kiln.runtime.contract import vmfb_file\n"
+            f"out = Path({str(output)!r})\n"
+            "compile_vmfb(out / 'model.mlir', out / vmfb_file('cpu'), 'cpu', None, None, "
+            "log=lambda m: print(m, file=sys.stderr, flush=True))\n")
+    return run_watched([sys.executable, "-c", code])
+
+
+def measure(artifacts: Path) -> dict:
+    """In this process (no torch): load the build as the server does, then time a prefill and decode
+    steps at batch 1, reading resident memory after each."""
+    import numpy as np
+
+    from benchmarks.memory_bench import resident
+    from kiln.runtime import LLM, SamplingParams
+    from kiln.runtime.contract import Artifacts
+
+    before = resident()
+    started = time.perf_counter()
+    with LLM(artifacts, "cpu", prefix_sharing="none") as llm:
+        load_s = time.perf_counter() - started
+        loaded = resident()
+        program = llm.service.program
+        cache_mib = llm.service.pool.page_count * program.params.page_elems * program.cache_dtype.itemsize / MiB
+        rng = np.random.default_rng(0)
+        prompt = rng.integers(300, min(llm.service.vocab_size, 32000), PROMPT).tolist()
+
+        def timed(ids, tokens) -> float:
+            start = time.perf_counter()
+            llm.generate([ids], SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+            return time.perf_counter() - start
+
+        timed(prompt[:16], 2)  # every function's first call
+        prefill = timed(prompt, 1)
+        decode = timed(prompt, STEPS + 1) - prefill
+        ran = resident()
+    parameters = Artifacts.in_directory(artifacts).params.stat().st_size / MiB
+    used = ran["VmRSS"] - before["VmRSS"] - cache_mib
+    return {"load_s": round(load_s, 2), f"prefill_{PROMPT}_ms": round(prefill * 1e3, 1),
+            "decode_bs1_tok_s": round(STEPS / decode, 3), "parameters_mib": round(parameters),
+            "kv_cache_mib": round(cache_mib), "after_load": loaded, "after_calls": ran,
+            "resident_less_cache_mib": round(used), "target_mib": round(1.15 * parameters + 300)}
+
+
+def serve_ready(artifacts: Path) -> dict:
+    """`kiln serve --artifacts`: seconds until /health answers 200, and its resident memory then."""
+    port = free_port()
+    started = time.monotonic()
+    server = subprocess.Popen([sys.executable, "-m", "kiln.cli.main", "serve", "--artifacts", str(artifacts),
+                               "--port", str(port)], cwd=HERE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", 900, server)
+        ready = time.monotonic() - started
+        rss, anon = _resident(server.pid)
+    finally:
+        server.terminate()
+        server.wait(60)
+    return {"health_s": round(ready, 1), "rss_mib": round(rss), "anon_mib": round(anon)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", type=Path, help="a GGUF file")
+    source.add_argument("--synthetic", help="write a GGUF of these shapes first (benchmarks/synthetic_gguf.py)")
+    parser.add_argument("--type", default="Q4_0", help="the synthetic file's block type")
+    parser.add_argument("--dir", type=Path, default=Path("."), help="where the synthetic file goes")
+    parser.add_argument("--build-dir", type=Path, help="where the build goes (default: <file stem>-kiln beside it)")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="Kiln alone")
+    parser.add_argument("--output", type=Path)
+    parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)  # the child's part
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure(args.measure)))
+        return 0
+    if not (args.model or args.synthetic):
+        parser.error("--model or --synthetic is required")
+
+    result: dict = {"date": date.today().isoformat(), "cpus": os.cpu_count()}
+    with heavy_lock():
+        if args.synthetic:
+            from benchmarks import synthetic_gguf
+
+            model = args.dir / f"{args.synthetic}-synthetic-{args.type.lower()}.gguf"
+            if not model.exists():
+                started = time.monotonic()
+                synthetic_gguf.write(model, synthetic_gguf.SHAPES[args.synthetic], args.type, log=log)
+                result["write_s"] = round(time.monotonic() - started, 1)
+        else:
+            model = args.model
+        model = model.resolve()
+        file_mib = model.stat().st_size / MiB
+        result |= {"model": str(model), "file_mib": round(file_mib), "build_target_mib": round(1.5 * file_mib)}
+        artifacts = args.build_dir or model.with_name(f"{model.stem}-kiln")
+        log(f"exporting {model.name} into {artifacts}")
+        result["export"] = export_step(model, artifacts)
+        result["export"].pop("last_line")
+        log(f"export: {result['export']}")
+        result["compile"] = compile_step(artifacts)
+        result["compile"].pop("last_line")
+        log(f"compile: {result['compile']}")
+        done = run_watched([sys.executable, "-m", "benchmarks.scale_bench", "--measure", str(artifacts)])
+        result["kiln"] = json.loads(done.pop("last_line")) | {"peak_rss_mib": done["peak_rss_mib"]}
+        log(f"kiln: {result['kiln']}")
+        result["serve"] = serve_ready(artifacts)
+        log(f"serve: {result['serve']}")
+        if not args.no_llama_cpp:
+            done = run_watched([str(llamacpp.python()), str(llamacpp.BENCH_SCRIPT), "scale", str(model)])
+            result["llama.cpp"] = json.loads(done.pop("last_line")) | {"peak_rss_mib": done["peak_rss_mib"],
+                                                                      "llama_cpp_python": llamacpp.VERSION}
+            log(f"llama.cpp: {result['llama.cpp']}")
+    output = args.output or HERE / "benchmarks" / "results" / f"scale-{model.stem.lower()}-{result['date']}.json"
+    output.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
