@@ -3,6 +3,7 @@ on the same file.
 
     python -m benchmarks.scale_bench --model FILE
     python -m benchmarks.scale_bench --synthetic llama-3.1-8b [--type Q4_0] [--dir DIR]
+    python -m benchmarks.scale_bench --first-serve [--model FILE]
 
 With `--synthetic`, the file is first written with that model's shapes and random weights
 (benchmarks/synthetic_gguf.py). Then, each in a process of its own, one after the other:
@@ -15,6 +16,10 @@ With `--synthetic`, the file is first written with that model's shapes and rando
 - `kiln serve --artifacts DIR`: seconds until /health answers 200, and its resident memory then;
 - llama.cpp on the same file (llama-cpp-python, 2 threads): load, the same prefill and decode.
 Figures go to results/scale-<file stem>-<date>.json.
+
+`--first-serve` measures a new user's first `kiln serve [--model FILE]` instead (the bundled model
+without --model), with a cache directory of its own and empty: seconds until /health answers 200,
+the build included, and the peak resident memory of the server's process tree meanwhile.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 from datetime import date
 from pathlib import Path
 
@@ -37,10 +44,14 @@ PROMPT, STEPS = 128, 32
 
 
 def _tree(pid: int) -> list[int]:
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        return [pid]
+    """`pid` and every process below it, whichever of its threads started each (a server builds
+    from a thread of its own)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += (task / "children").read_text().split()
+        except OSError:
+            pass
     return [pid, *(p for child in children for p in _tree(int(child)))]
 
 
@@ -54,22 +65,36 @@ def _resident(pid: int) -> tuple[float, float]:
         return 0.0, 0.0
 
 
+def _proportional(pid: int) -> float:
+    """Pss of one process in MiB: each page it shares counted as its share (a forked tracing
+    process shares its parent's pages, which summing resident sizes counts twice)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as rollup:
+            fields = dict(line.split(":", 1) for line in rollup if ":" in line)
+        return int(fields["Pss"].split()[0]) / 1024
+    except (OSError, KeyError):
+        return 0.0
+
+
 def run_watched(argv: list[str]) -> dict:
     """Run `argv` to its end: its wall time, the peak resident memory of its process tree (all of it,
-    and the anonymous part), and what it printed last on stdout."""
+    the anonymous part, and the proportional sum: shared pages once), and what it printed last on stdout."""
     started = time.monotonic()
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=HERE)
-    peak_rss = peak_anon = 0.0
+    peak_rss = peak_anon = peak_pss = 0.0
     while process.poll() is None:
-        figures = [_resident(pid) for pid in _tree(process.pid)]
+        tree = _tree(process.pid)
+        figures = [_resident(pid) for pid in tree]
         peak_rss = max(peak_rss, sum(rss for rss, _ in figures))
         peak_anon = max(peak_anon, sum(anon for _, anon in figures))
+        peak_pss = max(peak_pss, sum(_proportional(pid) for pid in tree))
         time.sleep(0.2)
     out = process.stdout.read()
     if process.returncode:
         raise RuntimeError(f"{argv[:4]} failed with {process.returncode}")
     return {"seconds": round(time.monotonic() - started, 1), "peak_rss_mib": round(peak_rss),
-            "peak_anon_mib": round(peak_anon), "last_line": out.strip().splitlines()[-1] if out.strip() else ""}
+            "peak_anon_mib": round(peak_anon), "peak_pss_mib": round(peak_pss),
+            "last_line": out.strip().splitlines()[-1] if out.strip() else ""}
 
 
 def export_step(model: Path, output: Path) -> dict:
@@ -142,6 +167,44 @@ def serve_ready(artifacts: Path) -> dict:
     return {"health_s": round(ready, 1), "rss_mib": round(rss), "anon_mib": round(anon)}
 
 
+def first_serve(model: Path | None) -> dict:
+    """`kiln serve [--model FILE]` over an empty cache: seconds to /health 200 and the tree's peak memory."""
+    port = free_port()
+    argv = [sys.executable, "-m", "kiln.cli.main", "serve", "--port", str(port), *(["--model", str(model)] if model else [])]
+    with tempfile.TemporaryDirectory(prefix="kiln-first-serve-") as cache:
+        with open(Path(cache) / "serve.log", "w") as server_log:
+            started = time.monotonic()
+            server = subprocess.Popen(argv, cwd=HERE, env=os.environ | {"KILN_CACHE_DIR": cache},
+                                      stdout=server_log, stderr=subprocess.STDOUT)
+            peak_rss = peak_anon = 0.0
+            polled = 0.0
+            try:
+                while True:
+                    if server.poll() is not None:
+                        raise RuntimeError(f"kiln serve exited with {server.returncode}: "
+                                           + (Path(cache) / "serve.log").read_text()[-2000:])
+                    figures = [_resident(pid) for pid in _tree(server.pid)]
+                    peak_rss = max(peak_rss, sum(rss for rss, _ in figures))
+                    peak_anon = max(peak_anon, sum(anon for _, anon in figures))
+                    if time.monotonic() - polled > 1:
+                        polled = time.monotonic()
+                        try:
+                            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as answer:
+                                if answer.status == 200:
+                                    break
+                        except OSError:
+                            pass
+                    time.sleep(0.2)
+                ready = time.monotonic() - started
+            finally:
+                server.terminate()
+                server.wait(60)
+        steps = [line.strip() for line in (Path(cache) / "serve.log").read_text().splitlines()
+                 if " in " in line and ("wrote" in line or "compiled" in line or "built" in line)]
+    return {"model": str(model) if model else "bundled SmolLM2-135M-Instruct", "health_s": round(ready, 1),
+            "peak_rss_mib": round(peak_rss), "peak_anon_mib": round(peak_anon), "steps": steps}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group()
@@ -152,10 +215,22 @@ def main() -> int:
     parser.add_argument("--build-dir", type=Path, help="where the build goes (default: <file stem>-kiln beside it)")
     parser.add_argument("--no-llama-cpp", action="store_true", help="Kiln alone")
     parser.add_argument("--output", type=Path)
+    parser.add_argument("--first-serve", action="store_true", help="time a first `kiln serve` (the build included)")
     parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)  # the child's part
     args = parser.parse_args()
     if args.measure:
         print(json.dumps(measure(args.measure)))
+        return 0
+    if args.first_serve:
+        if args.synthetic:
+            parser.error("--first-serve takes --model FILE or nothing (the bundled model)")
+        with heavy_lock():
+            result = {"date": date.today().isoformat(), "cpus": os.cpu_count(),
+                      "first_serve": first_serve(args.model.resolve() if args.model else None)}
+        stem = args.model.stem.lower() if args.model else "smollm2-135m-instruct"
+        output = args.output or HERE / "benchmarks" / "results" / f"first-serve-{stem}-{result['date']}.json"
+        output.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result, indent=2))
         return 0
     if not (args.model or args.synthetic):
         parser.error("--model or --synthetic is required")

@@ -252,28 +252,14 @@ def needs_build(args) -> bool:
 
 def resolve_in_child(args):
     """resolve_artifacts in a spawned process: building imports torch, which the server must not keep."""
-    return in_child(resolve_artifacts, args, args.model or "the default model")
+    return build_in_child(args)()
 
 
-def in_child(build, args, model: str):
-    """`build(args)` in a spawned process. One whose process dies (the system kills a process that
-    runs out of memory) is a ModelLoadError that says what to do, not the process pool's words."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-    from concurrent.futures.process import BrokenProcessPool
+def build_in_child(args):
+    """resolve_artifacts(args) to run in a spawned process, which `cancel()` stops (cli/child_build.py)."""
+    from .child_build import ChildBuild
 
-    from kiln.runtime.errors import ModelLoadError
-
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        try:
-            return pool.submit(build, args).result()
-        except BrokenProcessPool:
-            raise ModelLoadError(
-                f"building {model} stopped: its process was killed (the system ends a process that runs out "
-                "of memory, and tracing holds more of the model for every function it builds). Build fewer "
-                "functions with `kiln build --model MODEL --bs-decode 1,4 --decode-buckets none "
-                "--no-prefill-last --max-seq-len 4096 --output-dir DIR` (and `--cpu-kernels` on a CPU with "
-                "AVX-512, as kiln serve builds), then `kiln serve --artifacts DIR`") from None
+    return ChildBuild(resolve_artifacts, args, args.model or "the default model")
 
 
 def verifier_artifacts(args):
@@ -361,7 +347,7 @@ def run_serve(args) -> int:
         if not args.model.exists():
             raise ModelLoadError(f"model path {args.model} does not exist")
     # A model to build is built after the server is up, so /health answers 503 meanwhile.
-    prepare = (lambda: resolve_in_child(args)) if needs_build(args) else None
+    prepare = build_in_child(args) if needs_build(args) else None
     artifacts = None if prepare else resolve_artifacts(args)
     api_keys = list(args.api_key) + [k for k in os.environ.get("KILN_API_KEY", "").split(",") if k.strip()]
     settings = ServerSettings(

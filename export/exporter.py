@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from iree.turbine import aot
@@ -27,6 +29,7 @@ from kiln.runtime.contract import FunctionKind, argument_names, fixed_decode_nam
 from .device_sampling import sample_tokens
 from .fast_trace import fast_tracing
 from .options import ExportOptions
+from .trace_workers import trace_in_processes, tracing_processes
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8,
                 "fp8_e4m3": torch.float8_e4m3fn}
@@ -232,19 +235,31 @@ def trace_function(fxb: aot.FxProgramsBuilder, body, name: str, names: tuple[str
     log(f"  traced {name} in {time.monotonic() - started:.1f}s")
 
 
-def trace_module(model: PagedLlama | ShardedPagedLlama, options: ExportOptions, log=print) -> aot.ExportOutput:
-    """Export every function the contract lists for these options into one module."""
-    stride = options.block_seq_stride
-    cache_dtype = TORCH_DTYPES[options.cache_dtype]
-    storage = TORCH_DTYPES[kv_storage_dtype(options.cache_dtype)]
-    example_pages = max(options.device_block_count, 4)
-    fxb = aot.FxProgramsBuilder(model)
-    lora = bool(options.lora_slots)
-    lora_examples = {}
-    if lora:  # static shapes: every slot's weights at the build's rank
-        weights = stacked_lora_examples(model.config, options.lora_modules, options.lora_slots, options.lora_rank)
-        lora_examples["lora_weights"] = (weights, [{}] * len(weights))
+@dataclass(frozen=True)
+class PlannedFunction:
+    """One function of the module, as `trace_functions` traces it: `kind` the function's (its name's),
+    `context` a fixed-shape decode's context length."""
+    kind: FunctionKind
+    batch_size: int
+    final_only: bool = False
+    context: int | None = None
 
+    @property
+    def name(self) -> str:
+        if self.context is not None:
+            return fixed_decode_name(self.batch_size, self.context)
+        return function_name(self.kind, self.batch_size)
+
+    @property
+    def tracing_cost(self) -> float:
+        """Its trace's time relative to a decode's, to share the functions out among tracing
+        processes: a prefill's dynamic token count costs it three to four times a decode's
+        (SmolLM2, benchmarks/NOTES.md "Build time"); sampling reads no weights."""
+        return {FunctionKind.DECODE: 1.0, FunctionKind.SAMPLE: 0.2}.get(self.kind, 3.5)
+
+
+def planned_functions(model: PagedLlama | ShardedPagedLlama, options: ExportOptions) -> list[PlannedFunction]:
+    """Every function the contract lists for these options, in the module's order."""
     if model.config.is_diffusion:
         kinds = [(FunctionKind.DENOISE, False)]
         if options.denoise_top_functions:
@@ -256,43 +271,62 @@ def trace_module(model: PagedLlama | ShardedPagedLlama, options: ExportOptions, 
         kinds.append((FunctionKind.DECODE, True))
         if options.embedding_functions:
             kinds.append((FunctionKind.EMBED, False))
+    planned = []
+    for kind, final_only in kinds:
+        sizes = {FunctionKind.DECODE: options.decode_batch_sizes, FunctionKind.DENOISE: options.denoise_batch_sizes,
+                 FunctionKind.DENOISE_TOP: options.denoise_batch_sizes}.get(kind, options.prefill_batch_sizes)
+        for bs in sizes:
+            planned.append(PlannedFunction(kind, bs, final_only))
+            if kind is FunctionKind.DECODE:
+                planned += [PlannedFunction(kind, bs, final_only, context) for context in options.decode_buckets or ()]
+    if not model.config.is_diffusion:
+        planned += [PlannedFunction(FunctionKind.SAMPLE, bs) for bs in options.sample_batch_sizes]
+    return planned
+
+
+def trace_functions(model: PagedLlama | ShardedPagedLlama, options: ExportOptions, functions: list[PlannedFunction],
+                    log=print) -> aot.ExportOutput:
+    """Export `functions` (of `planned_functions`) into one module."""
+    stride = options.block_seq_stride
+    cache_dtype = TORCH_DTYPES[options.cache_dtype]
+    storage = TORCH_DTYPES[kv_storage_dtype(options.cache_dtype)]
+    example_pages = max(options.device_block_count, 4)
+    fxb = aot.FxProgramsBuilder(model)
+    lora = bool(options.lora_slots)
+    lora_examples = {}
+    if lora:  # static shapes: every slot's weights at the build's rank
+        weights = stacked_lora_examples(model.config, options.lora_modules, options.lora_slots, options.lora_rank)
+        lora_examples["lora_weights"] = (weights, [{}] * len(weights))
+
     with fast_tracing():
-        for kind, final_only in kinds:
+        for planned in functions:
+            kind, bs = planned.kind, planned.batch_size
+            if kind is FunctionKind.SAMPLE:
+                trace_function(fxb, sample, planned.name, argument_names(kind, options.has_prefill_position),
+                               sample_examples(bs, model.config.vocab_size), log)
+                continue
             traced_kind = FunctionKind.PREFILL if kind is FunctionKind.PREFILL_LAST else kind
-            bodies = abi_functions(options, final_only)
+            bodies = abi_functions(options, planned.final_only)
             if lora:
                 bodies = with_lora(bodies, options.has_prefill_position)
             body = bodies[traced_kind]
             if storage != cache_dtype:
                 body = reading_cache_as(body, cache_dtype)
             names = argument_names(traced_kind, options.has_prefill_position, lora)
-            sizes = {FunctionKind.DECODE: options.decode_batch_sizes, FunctionKind.DENOISE: options.denoise_batch_sizes,
-                     FunctionKind.DENOISE_TOP: options.denoise_batch_sizes}.get(kind, options.prefill_batch_sizes)
-            for bs in sizes:
+            if planned.context is None:
                 pages = Dim("pages", min=2)
                 cache = as_cache_dtype(example_cache(model, example_pages, cache_dtype), storage)
                 examples = dynamic_examples(kind, bs, options) | lora_examples
                 examples["cache"] = (cache, [{0: pages}] * len(cache) if isinstance(cache, list) else {0: pages})
-                if lora:
-                    examples["lora_slots"] = (torch.zeros(bs, dtype=torch.int64), {})
-                trace_function(fxb, body, function_name(kind, bs), names, examples, log)
-                if kind is not FunctionKind.DECODE:
-                    continue
-                for context in options.decode_buckets or ():
-                    cache = as_cache_dtype(example_cache(model, options.device_block_count, cache_dtype), storage)
-                    examples = {name: (tensor, {}) for name, (tensor, _) in dynamic_examples(kind, bs, options).items()}
-                    examples |= lora_examples
-                    if lora:
-                        examples["lora_slots"] = (torch.zeros(bs, dtype=torch.int64), {})
-                    examples["seq_block_ids"] = (torch.zeros(bs, context // stride, dtype=torch.int64), {})
-                    examples["cache"] = (cache, [{}] * len(cache) if isinstance(cache, list) else {})
-                    trace_function(fxb, body, fixed_decode_name(bs, context), names, examples, log)
-
-        if not model.config.is_diffusion:
-            for bs in options.sample_batch_sizes:
-                trace_function(fxb, sample, function_name(FunctionKind.SAMPLE, bs),
-                               argument_names(FunctionKind.SAMPLE, options.has_prefill_position),
-                               sample_examples(bs, model.config.vocab_size), log)
+            else:
+                cache = as_cache_dtype(example_cache(model, options.device_block_count, cache_dtype), storage)
+                examples = {name: (tensor, {}) for name, (tensor, _) in dynamic_examples(kind, bs, options).items()}
+                examples |= lora_examples
+                examples["seq_block_ids"] = (torch.zeros(bs, planned.context // stride, dtype=torch.int64), {})
+                examples["cache"] = (cache, [{}] * len(cache) if isinstance(cache, list) else {})
+            if lora:
+                examples["lora_slots"] = (torch.zeros(bs, dtype=torch.int64), {})
+            trace_function(fxb, body, planned.name, names, examples, log)
 
     started = time.monotonic()
     # What export knows of each dynamic size (a token count is a multiple of the stride, at
@@ -305,3 +339,16 @@ def trace_module(model: PagedLlama | ShardedPagedLlama, options: ExportOptions, 
     output = aot.export(fxb, import_symbolic_shape_expressions=not options.cpu_kernels)
     log(f"  imported to MLIR in {time.monotonic() - started:.1f}s")
     return output
+
+
+def trace_module(model: PagedLlama | ShardedPagedLlama, options: ExportOptions, scratch: Path,
+                 log=print) -> aot.ExportOutput:
+    """Export every function the contract lists for these options into one module, traced by as
+    many processes at once as there are CPUs (export/trace_workers.py; `scratch` holds their
+    modules until they are merged)."""
+    functions = planned_functions(model, options)
+    jobs = tracing_processes(len(functions))
+    if jobs == 1:
+        return trace_functions(model, options, functions, log)
+    return trace_in_processes(lambda share, share_log: trace_functions(model, options, share, share_log),
+                              functions, lambda planned: planned.tracing_cost, jobs, scratch, log)

@@ -112,7 +112,8 @@ class GenerateService:
     def __init__(self, config: ServiceConfig, prepare: Callable[[], Artifacts] | None = None,
                  program_factory: Callable[[Artifacts, str, str], Program] = Program):
         """`prepare`, if given, runs first (off the event loop) and returns the artifacts to load:
-        a first-run build, during which the service is LOADING. `program_factory` loads them
+        a first-run build, during which the service is LOADING; one with a `cancel()` method is
+        cancelled when the service stops before it is done. `program_factory` loads them
         (tests pass a stand-in that computes logits without a compiled model)."""
         if config.artifacts is None and prepare is None:
             raise ValueError("a ServiceConfig without artifacts needs a prepare callable")
@@ -434,6 +435,8 @@ class GenerateService:
         """Stop taking requests, let running ones finish for up to the grace period, abort the rest."""
         self._grammar_threads.shutdown(wait=False, cancel_futures=True)
         if self.state in (ServiceState.STOPPED, ServiceState.LOADING) or self.batcher is None:
+            if self.state is ServiceState.LOADING and hasattr(self._prepare, "cancel"):
+                self._prepare.cancel()  # a build would hold the process's exit until it is done
             self._device_thread.shutdown(wait=False)
             self.state = ServiceState.STOPPED
             return

@@ -4,6 +4,7 @@ steps, on the tiny shapes and the tiny build."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import numpy as np
@@ -42,8 +43,36 @@ def test_the_scale_bench_measures_a_built_model_and_its_server(tiny_artifacts):
     done = scale_bench.run_watched([sys.executable, "-m", "benchmarks.scale_bench", "--measure", str(tiny_artifacts)])
     figures = json.loads(done["last_line"])
     assert done["seconds"] > 0 and done["peak_rss_mib"] >= done["peak_anon_mib"] > 0
+    assert 0 < done["peak_pss_mib"] <= done["peak_rss_mib"]
     assert figures["load_s"] > 0 and figures["prefill_128_ms"] > 0 and figures["decode_bs1_tok_s"] > 0
     assert figures["parameters_mib"] == round((tiny_artifacts / "model.irpa").stat().st_size / 2**20)
     assert figures["target_mib"] == round(1.15 * (tiny_artifacts / "model.irpa").stat().st_size / 2**20 + 300)
     served = scale_bench.serve_ready(tiny_artifacts)
     assert served["health_s"] > 0 and served["rss_mib"] >= served["anon_mib"] > 0
+
+
+def test_the_process_tree_takes_in_processes_started_from_any_thread():
+    """A server starts its build from a thread of its own: the tree (and its peak memory) holds it."""
+    import subprocess
+    import threading
+
+    started = []
+    thread = threading.Thread(target=lambda: started.append(subprocess.Popen(["sleep", "30"])))
+    thread.start()
+    thread.join()
+    try:
+        assert started[0].pid in scale_bench._tree(os.getpid())
+    finally:
+        started[0].kill()
+        started[0].wait()
+
+
+@pytest.mark.e2e
+def test_a_first_serve_is_timed_from_an_empty_cache(tmp_path):
+    from tests.tiny_model import make_tiny_checkpoint, write_hf_directory
+
+    write_hf_directory(make_tiny_checkpoint(seed=5), tmp_path / "tiny")
+    first = scale_bench.first_serve(tmp_path / "tiny")
+    assert first["health_s"] > 0 and first["peak_rss_mib"] >= first["peak_anon_mib"] > 0
+    assert any(step.startswith("wrote model.mlir in") for step in first["steps"])
+    assert any(step.startswith("compiled model_cpu.vmfb") for step in first["steps"])

@@ -73,11 +73,11 @@ def _killed(args) -> None:
 
 
 def test_a_build_killed_by_the_system_is_a_load_error_that_says_what_to_do():
-    from kiln.cli.serve_command import in_child
+    from kiln.cli.child_build import ChildBuild
     from kiln.runtime.errors import ModelLoadError
 
     with pytest.raises(ModelLoadError) as error:
-        in_child(_killed, None, "big.gguf")
+        ChildBuild(_killed, None, "big.gguf")()
     assert "building big.gguf stopped: its process was killed" in str(error.value)
     assert "--bs-decode" in str(error.value) and "kiln serve --artifacts" in str(error.value)
 

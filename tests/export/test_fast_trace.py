@@ -64,7 +64,7 @@ def test_one_trace_gives_the_usual_operations_and_no_stacks(monkeypatch):
     assert not torch.fx.config.do_not_emit_stack_traces  # put back
 
 
-def test_the_export_of_a_model_traces_fast(monkeypatch):
+def test_the_export_of_a_model_traces_fast(monkeypatch, tmp_path):
     """trace_module traces inside fast_tracing: no decomposing pass for any function."""
     pytest.importorskip("torch.export._trace")
     from kiln.export import exporter
@@ -91,6 +91,6 @@ def test_the_export_of_a_model_traces_fast(monkeypatch):
     monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions",
                         lambda self, *args, **kwargs: passes.append(1) or run(self, *args, **kwargs))
     with torch.no_grad():
-        output = exporter.trace_module(model, options, log=lambda line: None)
+        output = exporter.trace_module(model, options, tmp_path, log=lambda line: None)
     assert entered == [1] and passes == []
     assert "func.func @decode_bs1" in str(output.mlir_module)
