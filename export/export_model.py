@@ -237,8 +237,7 @@ def export_model(checkpoint: Checkpoint, options: ExportOptions, output_dir: Pat
         with torch.no_grad(), warnings.catch_warnings():
             # torch.export's own deprecation chatter (LeafSpec), not ours to act on.
             warnings.filterwarnings("ignore", category=FutureWarning)
-            output = trace_module(model, options, scratch, log=log)
-        output.save_mlir(scratch / MLIR_FILE)
+            trace_module(model, options, scratch, scratch / MLIR_FILE, log=log)
         log(f"wrote {MLIR_FILE} in {time.monotonic() - started:.1f}s")
 
         if options.cpu_kernels:

@@ -29,7 +29,7 @@ from kiln.runtime.contract import FunctionKind, argument_names, fixed_decode_nam
 from .device_sampling import sample_tokens
 from .fast_trace import fast_tracing
 from .options import ExportOptions
-from .trace_workers import trace_in_processes, tracing_processes
+from .trace_workers import trace_in_processes, tracing_processes, write_merged_module
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8,
                 "fp8_e4m3": torch.float8_e4m3fn}
@@ -285,70 +285,80 @@ def planned_functions(model: PagedLlama | ShardedPagedLlama, options: ExportOpti
 
 
 def trace_functions(model: PagedLlama | ShardedPagedLlama, options: ExportOptions, functions: list[PlannedFunction],
-                    log=print) -> aot.ExportOutput:
-    """Export `functions` (of `planned_functions`) into one module."""
+                    directory: Path, log=print) -> None:
+    """Trace each of `functions` (of `planned_functions`) and import it to MLIR on its own, into
+    `function_module_path(directory, planned)`: one traced program alive at a time (a prefill's
+    holds 130 MiB for SmolLM2; all 14 of its default build's, 780 MiB)."""
     stride = options.block_seq_stride
     cache_dtype = TORCH_DTYPES[options.cache_dtype]
     storage = TORCH_DTYPES[kv_storage_dtype(options.cache_dtype)]
     example_pages = max(options.device_block_count, 4)
-    fxb = aot.FxProgramsBuilder(model)
     lora = bool(options.lora_slots)
     lora_examples = {}
     if lora:  # static shapes: every slot's weights at the build's rank
         weights = stacked_lora_examples(model.config, options.lora_modules, options.lora_slots, options.lora_rank)
         lora_examples["lora_weights"] = (weights, [{}] * len(weights))
 
-    with fast_tracing():
-        for planned in functions:
-            kind, bs = planned.kind, planned.batch_size
+    for planned in functions:
+        kind, bs = planned.kind, planned.batch_size
+        fxb = aot.FxProgramsBuilder(model)
+        with fast_tracing():
             if kind is FunctionKind.SAMPLE:
                 trace_function(fxb, sample, planned.name, argument_names(kind, options.has_prefill_position),
                                sample_examples(bs, model.config.vocab_size), log)
-                continue
-            traced_kind = FunctionKind.PREFILL if kind is FunctionKind.PREFILL_LAST else kind
-            bodies = abi_functions(options, planned.final_only)
-            if lora:
-                bodies = with_lora(bodies, options.has_prefill_position)
-            body = bodies[traced_kind]
-            if storage != cache_dtype:
-                body = reading_cache_as(body, cache_dtype)
-            names = argument_names(traced_kind, options.has_prefill_position, lora)
-            if planned.context is None:
-                pages = Dim("pages", min=2)
-                cache = as_cache_dtype(example_cache(model, example_pages, cache_dtype), storage)
-                examples = dynamic_examples(kind, bs, options) | lora_examples
-                examples["cache"] = (cache, [{0: pages}] * len(cache) if isinstance(cache, list) else {0: pages})
             else:
-                cache = as_cache_dtype(example_cache(model, options.device_block_count, cache_dtype), storage)
-                examples = {name: (tensor, {}) for name, (tensor, _) in dynamic_examples(kind, bs, options).items()}
-                examples |= lora_examples
-                examples["seq_block_ids"] = (torch.zeros(bs, planned.context // stride, dtype=torch.int64), {})
-                examples["cache"] = (cache, [{}] * len(cache) if isinstance(cache, list) else {})
-            if lora:
-                examples["lora_slots"] = (torch.zeros(bs, dtype=torch.int64), {})
-            trace_function(fxb, body, planned.name, names, examples, log)
+                traced_kind = FunctionKind.PREFILL if kind is FunctionKind.PREFILL_LAST else kind
+                bodies = abi_functions(options, planned.final_only)
+                if lora:
+                    bodies = with_lora(bodies, options.has_prefill_position)
+                body = bodies[traced_kind]
+                if storage != cache_dtype:
+                    body = reading_cache_as(body, cache_dtype)
+                names = argument_names(traced_kind, options.has_prefill_position, lora)
+                if planned.context is None:
+                    pages = Dim("pages", min=2)
+                    cache = as_cache_dtype(example_cache(model, example_pages, cache_dtype), storage)
+                    examples = dynamic_examples(kind, bs, options) | lora_examples
+                    examples["cache"] = (cache, [{0: pages}] * len(cache) if isinstance(cache, list) else {0: pages})
+                else:
+                    cache = as_cache_dtype(example_cache(model, options.device_block_count, cache_dtype), storage)
+                    examples = {name: (tensor, {}) for name, (tensor, _) in dynamic_examples(kind, bs, options).items()}
+                    examples |= lora_examples
+                    examples["seq_block_ids"] = (torch.zeros(bs, planned.context // stride, dtype=torch.int64), {})
+                    examples["cache"] = (cache, [{}] * len(cache) if isinstance(cache, list) else {})
+                if lora:
+                    examples["lora_slots"] = (torch.zeros(bs, dtype=torch.int64), {})
+                trace_function(fxb, body, planned.name, names, examples, log)
+        # What export knows of each dynamic size (a token count is a multiple of the stride, at
+        # least one block) reaches IREE as assumptions on it. Without them IREE's GPU code takes a
+        # matmul whose row count may be 1 for a matrix-vector product and computes prefill row by
+        # row, re-reading every weight per token (linear in the prompt; 13x eager PyTorch's time on
+        # an H200); with them it tiles the rows and, in bf16, uses the tensor cores. The builds with
+        # Kiln's CPU kernels take their one-token matmuls through the kernels and keep the code
+        # they were measured with.
+        aot.export(fxb, import_symbolic_shape_expressions=not options.cpu_kernels).save_mlir(
+            function_module_path(directory, planned))
 
-    started = time.monotonic()
-    # What export knows of each dynamic size (a token count is a multiple of the stride, at
-    # least one block) reaches IREE as assumptions on it. Without them IREE's GPU code takes a
-    # matmul whose row count may be 1 for a matrix-vector product and computes prefill row by
-    # row, re-reading every weight per token (linear in the prompt; 13x eager PyTorch's time on
-    # an H200); with them it tiles the rows and, in bf16, uses the tensor cores. The builds with
-    # Kiln's CPU kernels take their one-token matmuls through the kernels and keep the code
-    # they were measured with.
-    output = aot.export(fxb, import_symbolic_shape_expressions=not options.cpu_kernels)
-    log(f"  imported to MLIR in {time.monotonic() - started:.1f}s")
-    return output
+
+def function_module_path(directory: Path, planned: PlannedFunction) -> Path:
+    return directory / f"{planned.name}.mlir"
 
 
-def trace_module(model: PagedLlama | ShardedPagedLlama, options: ExportOptions, scratch: Path,
-                 log=print) -> aot.ExportOutput:
-    """Export every function the contract lists for these options into one module, traced by as
-    many processes at once as there are CPUs (export/trace_workers.py; `scratch` holds their
-    modules until they are merged)."""
+def trace_module(model: PagedLlama | ShardedPagedLlama, options: ExportOptions, scratch: Path, mlir_path: Path,
+                 log=print) -> None:
+    """Export every function the contract lists for these options into one module at `mlir_path`,
+    traced by as many processes at once as there are CPUs (export/trace_workers.py), each
+    function imported on its own into `scratch` and the modules merged."""
     functions = planned_functions(model, options)
     jobs = tracing_processes(len(functions))
+    started = time.monotonic()
     if jobs == 1:
-        return trace_functions(model, options, functions, log)
-    return trace_in_processes(lambda share, share_log: trace_functions(model, options, share, share_log),
-                              functions, lambda planned: planned.tracing_cost, jobs, scratch, log)
+        trace_functions(model, options, functions, scratch, log)
+    else:
+        trace_in_processes(lambda share, share_log: trace_functions(model, options, share, scratch, share_log),
+                           functions, lambda planned: planned.tracing_cost, jobs, scratch, log)
+    log(f"  traced and imported to MLIR in {time.monotonic() - started:.1f}s")
+    paths = [function_module_path(scratch, planned) for planned in functions]
+    write_merged_module(paths, mlir_path)
+    for path in paths:
+        path.unlink()

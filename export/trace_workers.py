@@ -4,10 +4,11 @@ torch.export traces in Python, one function at a time on one core: SmolLM2's def
 two of its four minutes there (benchmarks/NOTES.md, "Build time"). The tracing processes are
 forked from the exporting one once the model is built and its weights are in the parameter
 archive, so each starts with the model as it is (its tensors are views of the archive's pages,
-which the processes share and never copy). Each traces its share of the functions into a
-module of its own and writes it to a file; the exporting process traces the first share itself
-and merges the others' modules into its own: every function, and one copy of what they have in
-common (the parameters' globals, the CPU kernels' declarations, matched by name and text).
+which the processes share and never copy). Each traces its share of the functions, the
+exporting process the first share, each function imported to a module of its own and written to
+a file (one traced program alive at a time). The modules are then merged into one: every
+function, and one copy of what they have in common (the parameters' globals, the CPU kernels'
+declarations, matched by name and definition).
 
 A forked process runs only tracing and the MLIR import, and says nothing on the streams it
 shares with its parent: its progress lines come back through a pipe, its error through a file.
@@ -71,9 +72,9 @@ def _single_threaded_import() -> None:
     exporter.Context = single_threaded_context
 
 
-def _trace_in_child(trace_share, share, mlir_path: Path, error_path: Path, progress_fd: int) -> None:
-    """The forked process's whole life: trace, write the module, leave without running anything
-    of the parent's (its atexit handlers, its `finally` blocks)."""
+def _trace_in_child(trace_share, share, error_path: Path, progress_fd: int) -> None:
+    """The forked process's whole life: trace (writing the modules), leave without running
+    anything of the parent's (its atexit handlers, its `finally` blocks)."""
     status = 1
     try:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -82,7 +83,7 @@ def _trace_in_child(trace_share, share, mlir_path: Path, error_path: Path, progr
         def log(line: str) -> None:
             os.write(progress_fd, (line + "\n").encode())
 
-        trace_share(share, log).save_mlir(mlir_path)
+        trace_share(share, log)
         status = 0
     except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises it
         try:
@@ -135,11 +136,11 @@ def _wait_for(pid: int, error_path: Path) -> str | None:
 
 
 def trace_in_processes(trace_share, functions: Sequence[Planned], cost: Callable[[Planned], float], jobs: int,
-                       scratch: Path, log):
-    """`trace_share(functions, log)` (which returns turbine's ExportOutput) over `jobs` shares of
-    `functions` at once; returns the first share's output with every other share merged into it."""
+                       scratch: Path, log) -> None:
+    """`trace_share(functions, log)` (which writes each function's module) over `jobs` shares of
+    `functions` at once, the first in this process; returns when every share is done."""
     shares = share_out(functions, cost, jobs)
-    children = []  # (pid, module path, error path)
+    children = []  # (pid, error path)
     read_fds = []
     # Nothing of the parent's for a child's collector to finalize (an object left in a reference
     # cycle may hold a runtime whose teardown waits on threads the child does not have).
@@ -147,39 +148,36 @@ def trace_in_processes(trace_share, functions: Sequence[Planned], cost: Callable
     gc.freeze()
     try:
         for index, share in enumerate(shares[1:], start=1):
-            mlir_path, error_path = scratch / f"share-{index}.mlir", scratch / f"share-{index}.error"
-            mlir_path.unlink(missing_ok=True)
+            error_path = scratch / f"share-{index}.error"
             error_path.unlink(missing_ok=True)
             read_fd, write_fd = os.pipe()
             pid = os.fork()
             if pid == 0:
                 os.close(read_fd)
-                _trace_in_child(trace_share, share, mlir_path, error_path, write_fd)
+                _trace_in_child(trace_share, share, error_path, write_fd)
             os.close(write_fd)
             read_fds.append(read_fd)
-            children.append((pid, mlir_path, error_path))
+            children.append((pid, error_path))
         gc.unfreeze()
         relay = _relay_progress(read_fds, log)
-        output = trace_share(shares[0], log)
+        trace_share(shares[0], log)
     except BaseException:
         gc.unfreeze()
-        for pid, _, _ in children:
+        for pid, _ in children:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        for pid, _, _ in children:
+        for pid, _ in children:
             os.waitpid(pid, 0)
         raise
-    problems = [(problem, share) for (pid, _, error_path), share in zip(children, shares[1:])
+    problems = [(problem, share) for (pid, error_path), share in zip(children, shares[1:])
                 if (problem := _wait_for(pid, error_path))]
     relay.join()
     if problems:
         problem, share = problems[0]
         names = ", ".join(getattr(planned, "name", str(planned)) for planned in share)
         raise ExportError(f"tracing {names}: {problem}")
-    merge_modules(output.mlir_module, [mlir_path for _, mlir_path, _ in children])
-    return output
 
 
 def _symbol(operation) -> str | None:
@@ -196,6 +194,17 @@ def _definition(operation) -> tuple:
     if len(operation.regions):
         return operation.name, operation.get_asm(use_local_scope=True)
     return operation.name, sorted((name, str(operation.attributes[name])) for name in operation.attributes)
+
+
+def write_merged_module(paths: list[Path], output: Path) -> None:
+    """The modules in `paths` merged (merge_modules) into one, written to `output` as text."""
+    from iree.compiler import ir
+
+    with ir.Context():
+        module = ir.Module.parse(paths[0].read_text()).operation
+        merge_modules(module, paths[1:])
+        with open(output, "wb") as written:
+            module.print(file=written, binary=True)
 
 
 def merge_modules(module, paths: list[Path]) -> None:

@@ -1,7 +1,7 @@
-"""export/trace_workers.py: functions shared out among forked tracing processes, their modules
-merged into one (a shared definition kept once, a clashing one renamed), a process's failure
-reported with the functions it was tracing; the tiny model's module the same traced by one
-process or by two."""
+"""export/trace_workers.py: functions shared out among forked tracing processes, each function's
+module merged into one (a shared definition kept once, a clashing one renamed), a process's
+failure reported with the functions it was tracing; the tiny model's module the same traced by
+one process or by two."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 import torch
 from iree.compiler import ir
 
-from kiln.export.trace_workers import merge_modules, share_out, trace_in_processes, tracing_processes
+from kiln.export.trace_workers import (merge_modules, share_out, trace_in_processes, tracing_processes,
+                                      write_merged_module)
 from kiln.runtime.errors import ExportError
 
 GLOBAL = 'util.global private @weight = #flow.parameter.named<"model"::"weight"> : tensor<4xf32>'
@@ -34,20 +35,6 @@ def module_text(function: str, helper_body: str = "%c = arith.constant 1 : i32")
   }}
 }}
 """
-
-
-class Traced:
-    """What trace_share returns: turbine's ExportOutput's two members that trace_in_processes uses.
-    Each in a context of its own working on the calling thread, as in a forked process turbine's
-    does (MLIR's shared thread pool has no threads there)."""
-
-    def __init__(self, text: str):
-        self.context = ir.Context()
-        self.context.enable_multithreading(False)
-        self.mlir_module = ir.Module.parse(text, self.context).operation
-
-    def save_mlir(self, path: Path) -> None:
-        path.write_text(str(self.mlir_module))
 
 
 def test_shares_are_balanced_and_keep_the_order():
@@ -90,20 +77,23 @@ def test_merged_modules_keep_one_copy_of_what_they_share(tmp_path):
     assert "util.call @helper_clash()" in third and "arith.constant 7" in text
 
 
-def test_processes_trace_their_shares_and_the_first_merges_them(tmp_path):
+def test_processes_trace_their_shares_and_the_modules_merge(tmp_path):
     seen = []
 
     def trace_share(share, log):
         for name in share:
+            (tmp_path / f"{name}.mlir").write_text(module_text(name))
             log(f"traced {name}")
         seen.append(list(share))  # only the exporting process's share reaches this list
-        return Traced(module_text("_".join(share)))
 
     lines = []
-    output = trace_in_processes(trace_share, ["a", "b", "c"], lambda _: 1.0, 3, tmp_path, lines.append)
+    trace_in_processes(trace_share, ["a", "b", "c"], lambda _: 1.0, 3, tmp_path, lines.append)
     assert seen == [["a"]]
     assert sorted(lines) == ["traced a", "traced b", "traced c"]
-    assert re.findall(r"util\.func public @(\w+)", str(output.mlir_module)) == ["a", "b", "c"]
+    write_merged_module([tmp_path / f"{name}.mlir" for name in "abc"], tmp_path / "model.mlir")
+    text = (tmp_path / "model.mlir").read_text()
+    assert re.findall(r"util\.func public @(\w+)", text) == ["a", "b", "c"]
+    assert text.count("util.global private @weight") == 1 and text.count("util.func private @helper") == 1
 
 
 def test_a_failed_process_names_its_functions(tmp_path):
@@ -112,7 +102,6 @@ def test_a_failed_process_names_its_functions(tmp_path):
             raise ValueError("an op the import cannot take")
         if "decode_bs8" in share:
             os.kill(os.getpid(), 9)
-        return Traced(module_text("_".join(share)))
 
     with pytest.raises(ExportError, match=r"tracing decode_bs4: ValueError: an op the import cannot take"):
         trace_in_processes(trace_share, ["prefill_bs1", "decode_bs4"], lambda _: 1.0, 2, tmp_path, print)
@@ -138,7 +127,8 @@ def test_the_tiny_models_module_is_the_same_from_one_process_or_two(monkeypatch,
     def functions(jobs: str) -> dict[str, str]:
         monkeypatch.setenv("KILN_TRACE_JOBS", jobs)
         with torch.no_grad():
-            text = str(exporter.trace_module(model, options, tmp_path, log=lambda line: None).mlir_module)
+            exporter.trace_module(model, options, tmp_path, tmp_path / "model.mlir", log=lambda line: None)
+        text = (tmp_path / "model.mlir").read_text()
         # A constant's resource is renamed where a second module brings one of the same name.
         text = re.sub(r"dense_resource<([\w.]+?)(_\d+)?>", r"dense_resource<\1>", text.split("{-#")[0])
         parts = re.split(r"\n(?=  \S)", text)
