@@ -61,7 +61,10 @@ class ChildBuild:
             raise
         finally:
             receiving.close()
+        with self._lock:  # over: nothing left for cancel() to end (its pid may be reused)
+            self._process = None
         if outcome is None:
+            self._end_group(process)  # what it started outlives it otherwise (an iree-compile)
             if self._cancelled:
                 raise ModelLoadError(f"building {self.model} was stopped")
             raise ModelLoadError(
@@ -80,8 +83,11 @@ class ChildBuild:
         with self._lock:
             self._cancelled = True
             process = self._process
-        if process is None or process.pid is None:
-            return
+        if process is not None and process.pid is not None:
+            self._end_group(process)
+
+    @staticmethod
+    def _end_group(process) -> None:
         try:  # the group, once the process leads one; the process itself, in case it does not yet
             os.killpg(process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):

@@ -35,6 +35,13 @@ def _waits_on_a_grandchild(pid_file):
     sleeper.wait()
 
 
+def _dies_leaving_a_grandchild(pid_file):
+    """A build whose process the system kills while its iree-compile runs."""
+    sleeper = subprocess.Popen(["sleep", "600"])
+    Path(pid_file).write_text(str(sleeper.pid))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -74,6 +81,17 @@ def test_a_cancelled_build_ends_with_what_it_started(tmp_path):
     assert not _alive(sleeper)
     with pytest.raises(ModelLoadError, match="was stopped"):  # cancelled before it starts: never starts
         build()
+
+
+def test_a_killed_build_takes_what_it_started_with_it(tmp_path):
+    pid_file = tmp_path / "sleeper"
+    with pytest.raises(ModelLoadError, match="its process was killed"):
+        ChildBuild(_dies_leaving_a_grandchild, str(pid_file), "big.gguf")()
+    sleeper = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(sleeper) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(sleeper)
 
 
 def _outcome(build):
