@@ -412,7 +412,9 @@ def load_gguf(path: str | Path) -> Checkpoint:
         heads = None
         if config.architecture in PERMUTED_QK and (".attn_q." in t.name or ".attn_k." in t.name):
             heads = config.num_attention_heads if ".attn_q." in t.name else config.num_key_value_heads
-        stored = keep_blocks and len(shape) == 2
+        # A mixture's experts [E, rows, K] keep their blocks too (where Kiln reads their type), read
+        # as E * rows rows; the mode is the 2-D weights' (a type it does not read is quantized to it).
+        stored = keep_blocks and (len(shape) == 2 or (len(shape) == 3 and t.tensor_type.name in BLOCK_TYPES))
         parts = _row_parts(config, hf) or {hf: (0, shape[0])}
         if max(stop for _, stop in parts.values()) != shape[0]:
             raise ModelLoadError(f"{path}: tensor {t.name} has {shape[0]} rows, not "
@@ -421,7 +423,9 @@ def load_gguf(path: str | Path) -> Checkpoint:
             part = (stop - start, *shape[1:])
             tensors.add(name, part, functools.partial(_weight, t, heads, start, stop, path, pages))
             if stored:
-                blocks.add(name, part, functools.partial(_blocks, t, shape, heads, start, stop, path, pages),
+                rows = (math.prod(shape[:-1]), shape[-1])
+                blocks.add(name, part, functools.partial(_blocks, t, rows, heads, start * rows[0] // shape[0],
+                                                         stop * rows[0] // shape[0], path, pages),
                            kind=t.tensor_type.name)
 
     if longrope:

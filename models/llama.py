@@ -249,13 +249,22 @@ def activate(gate: torch.Tensor, gelu: bool) -> torch.Tensor:
 
 
 class Experts(nn.Module):
-    """Every expert's gated MLP, stacked: gate and up [E, I, H], down [E, H, I]."""
+    """Every expert's gated MLP, stacked: gate and up [E, I, H], down [E, H, I]. A quantized model
+    holds them narrow instead (models/quantized_experts.py), behind the same two methods."""
 
     def __init__(self, experts: int, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = nn.Parameter(torch.zeros(experts, intermediate, hidden))
         self.up_proj = nn.Parameter(torch.zeros(experts, intermediate, hidden))
         self.down_proj = nn.Parameter(torch.zeros(experts, hidden, intermediate))
+
+    def chosen(self, name: str, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The experts `index` [M, k] picked of projection `name`: [M, k, N, K]."""
+        return getattr(self, name)[index]
+
+    def every(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """Every expert of projection `name`: [E, N, K]."""
+        return getattr(self, name)
 
 
 class Router(nn.Linear):
@@ -309,18 +318,18 @@ class SparseMoE(nn.Module):
         n, t, hidden = x.shape
         tokens = x.reshape(n * t, hidden)
         weights, chosen = self.routing(tokens)
-        e = self.experts
+        e, dtype = self.experts, x.dtype
         if t == 1:
             column = tokens.view(n, 1, hidden, 1)
-            gate = torch.matmul(e.gate_proj[chosen], column)  # [M,k,I,1]
-            up = torch.matmul(e.up_proj[chosen], column)
-            out = torch.matmul(e.down_proj[chosen], activate(gate, self.gelu) * up).squeeze(-1)  # [M,k,H]
-            out = (out * weights.unsqueeze(-1)).sum(dim=1)
+            gate = torch.matmul(e.chosen("gate_proj", chosen, dtype), column)  # [M,k,I,1]
+            up = torch.matmul(e.chosen("up_proj", chosen, dtype), column)
+            out = torch.matmul(e.chosen("down_proj", chosen, dtype), activate(gate, self.gelu) * up).squeeze(-1)
+            out = (out * weights.unsqueeze(-1)).sum(dim=1)  # [M,H]
         else:
-            gate = torch.matmul(tokens, e.gate_proj.transpose(1, 2))  # [E,M,I]
-            up = torch.matmul(tokens, e.up_proj.transpose(1, 2))
-            out = torch.matmul(activate(gate, self.gelu) * up, e.down_proj.transpose(1, 2))  # [E,M,H]
-            experts = torch.arange(e.gate_proj.shape[0]).view(1, 1, -1)
+            gate = torch.matmul(tokens, e.every("gate_proj", dtype).transpose(1, 2))  # [E,M,I]
+            up = torch.matmul(tokens, e.every("up_proj", dtype).transpose(1, 2))
+            out = torch.matmul(activate(gate, self.gelu) * up, e.every("down_proj", dtype).transpose(1, 2))  # [E,M,H]
+            experts = torch.arange(self.gate.out_features).view(1, 1, -1)
             dense = ((chosen.unsqueeze(-1) == experts).to(x.dtype) * weights.unsqueeze(-1)).sum(dim=1)  # [M,E]
             out = (out * dense.t().unsqueeze(-1)).sum(dim=0)
         return out.view(n, t, hidden)

@@ -47,18 +47,18 @@ def load_streamed(build: Callable[[], nn.Module], tensors: Mapping, dtype: torch
                   spill: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """The model `build` makes, built on the meta device, its weights from `tensors` as `dtype`.
     `place(model, load)` replaces modules as it goes (quantizes them), calling
-    `load(module, prefix, weight)` first for each, which makes its parameters (its weight only if
-    `weight`); what it leaves on the meta device is made after it. `spill(model)`, if given, is
+    `load(module, prefix, skip=names)` first for each, which makes its parameters but those named in
+    `skip`; what it leaves on the meta device is made after it. `spill(model)`, if given, is
     called before each weight is made and at the end, so that what is made can leave memory as the
     model grows (export/parameter_file.py)."""
     with torch.device("meta"):
         model = build()
     check_names(model, tensors, optional)
 
-    def load(module: nn.Module, prefix: str, weight: bool = True) -> None:
+    def load(module: nn.Module, prefix: str, skip: tuple[str, ...] = ()) -> None:
         if spill is not None:
             spill(model)
-        materialize(module, prefix, tensors, dtype, skip=() if weight else ("weight",))
+        materialize(module, prefix, tensors, dtype, skip=skip)
 
     model = place(model, load)
     for path, module in model.named_modules():

@@ -142,17 +142,17 @@ def activation_group(k: int) -> int:
 def widened(weight: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 weight that stored bytes stand for: bf16 (no scale), int8 with row scales [N],
     or int8 blocks with block scales [K / block, N] (and offsets of that shape, for the types
-    with a block minimum)."""
+    with a block minimum). Weights stacked on leading axes ([..., N, K]) take their scales stacked alike."""
     w = weight.float()
     if scale is None:
         return w
-    if scale.dim() == 1:
-        return w * scale.view(-1, 1)
-    n, k = w.shape
-    blocks = w.view(n, scale.shape[0], -1) * scale.T.unsqueeze(-1)
+    if scale.dim() < w.dim():  # row scales
+        return w * scale.unsqueeze(-1)
+    *lead, n, k = w.shape
+    blocks = w.view(*lead, n, scale.shape[-2], -1) * scale.transpose(-1, -2).unsqueeze(-1)
     if offset is not None:
-        blocks = blocks + offset.T.unsqueeze(-1)
-    return blocks.view(n, k)
+        blocks = blocks + offset.transpose(-1, -2).unsqueeze(-1)
+    return blocks.view(*lead, n, k)
 
 
 def _blocks_of_input(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -227,6 +227,35 @@ def _parameter(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
+def stored_form(weight: torch.Tensor, mode: str, stored: BlockWeight | None = None, pack: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, bool]:
+    """(values, scale, offset, packed) of a float [N, K] weight stored as `mode` says (see
+    QuantizedWeight), or of `stored`, a block mode's weight as a GGUF holds it; 4-bit values are
+    packed two a byte where `pack` says the consumer takes them so."""
+    if mode not in (*QUANTIZATIONS[1:], FLOAT32):
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS[1:])}, got {mode!r}")
+    weight = weight.detach().float()
+    blocks = mode in BLOCK_MODES and weight.shape[-1] % BLOCK == 0
+    if mode == FLOAT32:
+        return weight, None, None, False
+    if mode == "bf16":
+        return weight.to(torch.bfloat16), None, None, False
+    if blocks and stored is None and BLOCK_MODES[mode] == "Q8_0":
+        return (*quantize_q8_0(weight), None, False)
+    if blocks:
+        if stored is None:
+            stored = quantize_blocks(weight.numpy(), BLOCK_MODES[mode])
+        values, scale = torch.from_numpy(stored.values), torch.from_numpy(stored.scales)
+        offset = None if stored.offsets is None else torch.from_numpy(stored.offsets)
+        if pack and stored.type_name in NIBBLE_TYPES and stored.block == BLOCK:
+            if offset is None:  # Q4_0: d * (q - 8) = d * q - 8 d, exact in float32
+                values, offset = values + 8, scale * -8.0
+            return pack_nibbles(values), scale, offset, True
+        return values, scale, offset, False
+    values, row_scale = quantize_rows(weight)
+    return values, row_scale.view(-1), None, False
+
+
 class QuantizedWeight(nn.Module):
     """A [N, K] float weight stored as `mode` says; `scale` [N] for int8, [K / block, N] for the
     block modes, None for bf16 and FLOAT32; `offset` [K / block, N] for the types with a block minimum, else
@@ -238,33 +267,9 @@ class QuantizedWeight(nn.Module):
     def __init__(self, weight: torch.Tensor, mode: str, matmul=eager_weight_matmul,
                  stored: BlockWeight | None = None):
         super().__init__()
-        if mode not in (*QUANTIZATIONS[1:], FLOAT32):
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS[1:])}, got {mode!r}")
-        weight = weight.detach().float()
-        blocks = mode in BLOCK_MODES and weight.shape[-1] % BLOCK == 0
-        self.offset = None
-        self.packed = False
-        if mode == FLOAT32:
-            values, self.scale = weight, None
-        elif mode == "bf16":
-            values, self.scale = weight.to(torch.bfloat16), None
-        elif blocks and stored is None and BLOCK_MODES[mode] == "Q8_0":
-            values, block_scale = quantize_q8_0(weight)
-            self.scale = _parameter(block_scale)
-        elif blocks:
-            if stored is None:
-                stored = quantize_blocks(weight.numpy(), BLOCK_MODES[mode])
-            values, self.scale = torch.from_numpy(stored.values), _parameter(torch.from_numpy(stored.scales))
-            if stored.offsets is not None:
-                self.offset = _parameter(torch.from_numpy(stored.offsets))
-            if (hasattr(matmul, "rows_nibbles") and stored.type_name in NIBBLE_TYPES
-                    and stored.block == BLOCK):
-                if self.offset is None:  # Q4_0: d * (q - 8) = d * q - 8 d, exact in float32
-                    values, self.offset = values + 8, _parameter(self.scale * -8.0)
-                values, self.packed = pack_nibbles(values), True
-        else:
-            values, row_scale = quantize_rows(weight)
-            self.scale = _parameter(row_scale.view(-1))
+        values, scale, offset, self.packed = stored_form(weight, mode, stored, hasattr(matmul, "rows_nibbles"))
+        self.scale = None if scale is None else _parameter(scale)
+        self.offset = None if offset is None else _parameter(offset)
         self.weight = _parameter(values)
         self.matmul = matmul
 
@@ -372,13 +377,17 @@ def quantize_model(model: nn.Module, mode: str, matmul=eager_weight_matmul,
     keeps those blocks, a GGUF's own, where they are of the mode's type or Q8_0 (any type, for
     "gguf"); the others are quantized to the mode's type.
 
-    A replaced weight keeps the device it was placed on (a tensor/pipeline-parallel model's
-    placement is a trait of each parameter). `load(child, prefix, weight)`, for a model built on
-    the meta device (models/meta_load.py), makes a module's parameters before it is replaced, its
-    weight only where its stored blocks are not taken instead."""
+    A mixture's stacked experts are stored the same way (models/quantized_experts.py); its router stays
+    float32. A replaced weight keeps the device it was placed on (a tensor/pipeline-parallel model's
+    placement is a trait of each parameter). `load(child, prefix, skip=names)`, for a model built on
+    the meta device (models/meta_load.py), makes a module's parameters but those in `skip` (a weight
+    whose stored blocks are taken instead) before it is replaced."""
     if mode == "none":
         return model
     from iree.turbine.aot import DeviceTensorTrait
+
+    from .llama import Experts
+    from .quantized_experts import quantize_experts
 
     # A weight stored as the mode's type keeps its blocks, and so does a Q8_0 one (a Q4 file's
     # embedding): exact either way, where re-quantizing would round the file's values again.
@@ -387,19 +396,21 @@ def quantize_model(model: nn.Module, mode: str, matmul=eager_weight_matmul,
             if mode == "gguf" or (mode in BLOCK_MODES and block_type(stored, name) in (BLOCK_MODES[mode], "Q8_0"))}
     for path, module in list(model.named_modules()):
         for name, child in list(module.named_children()):
-            if type(child) not in (nn.Linear, nn.Embedding):
-                continue
-            weight = f"{path}.{name}.weight" if path else f"{name}.weight"
-            blocks = stored[weight] if weight in kept else None
-            if load is not None:
-                load(child, weight.removesuffix("weight"), blocks is None)
-            if type(child) is nn.Linear:
-                replacement = QuantizedLinear(child, mode, matmul, blocks)
-            elif type(child) is nn.Embedding:
-                replacement = QuantizedEmbedding(child, mode, matmul, blocks)
+            prefix = f"{path}.{name}." if path else f"{name}."
+            if type(child) is Experts and mode != FLOAT32:  # float32 experts are already as they would be
+                device = DeviceTensorTrait.get(child.gate_proj)
+                replacement = quantize_experts(child, mode, lambda p: stored[prefix + p] if prefix + p in kept else None,
+                                               load, prefix)
+            elif type(child) in (nn.Linear, nn.Embedding):
+                weight = prefix + "weight"
+                blocks = stored[weight] if weight in kept else None
+                if load is not None:
+                    load(child, prefix, skip=("weight",) if blocks is not None else ())
+                device = DeviceTensorTrait.get(child.weight)
+                kind = QuantizedLinear if type(child) is nn.Linear else QuantizedEmbedding
+                replacement = kind(child, mode, matmul, blocks)
             else:
                 continue
-            device = DeviceTensorTrait.get(child.weight)
             if device is not None:
                 for parameter in replacement.parameters():
                     device.set(parameter)

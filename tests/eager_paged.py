@@ -30,3 +30,31 @@ class EagerSequence:
         """The last new position's logits [V], as prefill_last computes them."""
         with torch.no_grad():
             return self.model.logits(self._forward(tokens)[:, -1:])[0, 0].numpy()
+
+
+def check_call_for_call(program, reference, prompts: list[list[int]], tolerance: float,
+                        decode_batches=(4, 4, 4, 4)):
+    """Prefill `prompts` in one batch of 4 (a padded row where fewer) through the compiled
+    `program`, then a greedy decode step at each of `decode_batches` (the first rows that fit),
+    every call's logits against the eager `reference`'s same call: relative error < tolerance.
+    Returns the driver, for calls of the test's own after."""
+    from tests.paged_driver import PagedDriver, relative_error
+
+    driver = PagedDriver(program)
+    seqs = driver.new_sequences(len(prompts), 64)
+    logits = driver.prefill(seqs, prompts, batch=4)
+    eager = [EagerSequence(reference) for _ in prompts]
+    tokens = []
+    for row, prompt in enumerate(prompts):
+        want = eager[row].run(prompt)
+        assert relative_error(logits[row, : len(prompt)], want) < tolerance
+        tokens.append(int(want[-1].argmax()))
+    lengths = [len(p) for p in prompts]
+    for batch in decode_batches:
+        rows = range(min(batch, len(prompts)))
+        got = driver.decode([seqs[r] for r in rows], [tokens[r] for r in rows], [lengths[r] for r in rows], batch=batch)
+        for row in rows:
+            want = eager[row].run([tokens[row]])[0]
+            assert relative_error(got[row, 0], want) < tolerance
+            tokens[row], lengths[row] = int(want.argmax()), lengths[row] + 1
+    return driver

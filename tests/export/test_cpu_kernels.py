@@ -24,7 +24,7 @@ from kiln.runtime.errors import ExportError
 from kiln.runtime.program import Program
 from tests.compiled_module import compiled_functions, replays_a_recorded_command_buffer
 from tests.conftest import TINY_EXPORT_ARGS, _export_and_compile, run_kiln
-from tests.eager_paged import EagerSequence
+from tests.eager_paged import EagerSequence, check_call_for_call
 from tests.paged_driver import PagedDriver, relative_error
 
 pytestmark = [
@@ -289,23 +289,7 @@ def test_every_function_matches_the_eager_model(kernel_export):
     program = Program(Artifacts.in_directory(artifacts))
     rng = np.random.default_rng(3)
     prompts = [rng.integers(4, 384, n).tolist() for n in (9, 21)]
-    driver = PagedDriver(program)
-    seqs = driver.new_sequences(2, 64)
-    logits = driver.prefill(seqs, prompts, batch=4)
-    eager = [EagerSequence(reference) for _ in prompts]
-    tokens = []
-    for row, prompt in enumerate(prompts):
-        want = eager[row].run(prompt)
-        assert relative_error(logits[row, : len(prompt)], want) < tolerance
-        tokens.append(int(want[-1].argmax()))
-    lengths = [len(p) for p in prompts]
-    for batch in [1, 4, 1, 4]:
-        rows = list(range(len(prompts))) if batch == 4 else [0]
-        got = driver.decode([seqs[r] for r in rows], [tokens[r] for r in rows], [lengths[r] for r in rows], batch=batch)
-        for i, row in enumerate(rows):
-            want = eager[row].run([tokens[row]])[0]
-            assert relative_error(got[i, 0], want) < tolerance
-            tokens[row], lengths[row] = int(want.argmax()), lengths[row] + 1
+    driver = check_call_for_call(program, reference, prompts, tolerance, decode_batches=(1, 4, 1, 4))
     [continued] = driver.new_sequences(1, 48)
     prompt = rng.integers(4, 384, 17).tolist()
     last = driver.prefill([continued], [prompt], batch=1, function="prefill_last")

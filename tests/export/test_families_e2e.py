@@ -12,11 +12,13 @@ from tokenizers import Tokenizer
 from kiln.export.cpu_kernels import support_problem
 from kiln.export.export_model import build_model
 from kiln.export.options import ExportOptions
-from kiln.models.loader import load_hf_directory
+from kiln.models.gguf_writer import write_gguf
+from kiln.models.loader import load_checkpoint, load_hf_directory
 from kiln.runtime.contract import Artifacts
 from kiln.runtime.program import Program
 
 from tests.conftest import _export_and_compile
+from tests.eager_paged import check_call_for_call
 from tests.export.test_tiny_e2e import check_generation
 from tests.hf_families import FAMILIES, write_family_checkpoint
 from tests.server_process import ServerProcess
@@ -84,3 +86,26 @@ def test_served_with_prefix_caching_and_a_draft_of_its_own_family(family_build, 
         assert server.stop() == 0
     assert first["choices"][0]["text"] == want == second["choices"][0]["text"]
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16  # whole pages of the prompt
+
+
+@pytest.fixture(scope="module")
+def quantized_mixture(tmp_path_factory):
+    """The tiny Mixtral as a Q4_0 GGUF, built as it comes: its experts' blocks served as stored."""
+    directory = write_family_checkpoint("mixtral", tmp_path_factory.mktemp("mixtral-hf"))
+    path = write_gguf(load_hf_directory(directory), tmp_path_factory.mktemp("mixtral-gguf") / "mixtral-q4_0.gguf",
+                      dtype="q4_0")
+    artifacts = _export_and_compile(path, tmp_path_factory.mktemp("mixtral-q4_0-artifacts"), EXPORT_ARGS)
+    checkpoint = load_checkpoint(path)
+    options = ExportOptions().validate(256, checkpoint.stored_quantization)
+    assert options.quantize == "q4_0"
+    return Program(Artifacts.in_directory(artifacts)), build_model(checkpoint, options)
+
+
+def test_a_quantized_mixture_matches_its_eager_model_call_for_call(quantized_mixture):
+    """Q4_0 experts widened in the compiled graph: a batch-4 prefill with a padded row, then greedy
+    decode steps gathering each token's chosen experts, against the same model in eager torch call
+    for call (integer arithmetic up to float32 scaling: float32's 1e-4)."""
+    program, reference = quantized_mixture
+    assert type(reference.model.layers[0].mlp.experts).__name__ == "QuantizedExperts"
+    rng = np.random.default_rng(5)
+    check_call_for_call(program, reference, [rng.integers(4, 384, n).tolist() for n in (5, 16, 37)], 1e-4)

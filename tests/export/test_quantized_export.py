@@ -25,7 +25,7 @@ from kiln.runtime import LLM, SamplingParams
 from kiln.runtime.contract import Artifacts
 from kiln.runtime.program import Program
 from tests.conftest import _export_and_compile, run_kiln
-from tests.eager_paged import EagerSequence
+from tests.eager_paged import EagerSequence, check_call_for_call
 from tests.paged_driver import PagedDriver, relative_error
 from tests.tiny_model import make_tiny_checkpoint, write_hf_directory
 
@@ -70,22 +70,7 @@ def test_every_function_matches_the_eager_quantized_model(quantized, request):
     tolerance = TOLERANCE[mode]
     rng = np.random.default_rng(1)
     prompts = [rng.integers(4, 384, n).tolist() for n in (5, 16, 37)]
-    driver = PagedDriver(program)
-    seqs = driver.new_sequences(3, 64)
-    logits = driver.prefill(seqs, prompts, batch=4)
-    eager = [EagerSequence(reference) for _ in prompts]
-    tokens = []
-    for row, prompt in enumerate(prompts):
-        want = eager[row].run(prompt)
-        assert relative_error(logits[row, : len(prompt)], want) < tolerance
-        tokens.append(int(want[-1].argmax()))
-    lengths = [len(p) for p in prompts]
-    for _ in range(4):
-        step = driver.decode(seqs, tokens, lengths, batch=4)
-        for row in range(len(prompts)):
-            want = eager[row].run([tokens[row]])[0]
-            assert relative_error(step[row, 0], want) < tolerance
-            tokens[row], lengths[row] = int(want.argmax()), lengths[row] + 1
+    driver = check_call_for_call(program, reference, prompts, tolerance)
     [lone] = driver.new_sequences(1, 16)
     assert relative_error(driver.decode([lone], [7], [0], batch=1)[0, 0], EagerSequence(reference).run([7])[0]) < tolerance
     [continued] = driver.new_sequences(1, 48)

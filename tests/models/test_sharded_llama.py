@@ -85,3 +85,29 @@ def test_each_family_shards_to_the_one_device_logits(family, tmp_path):
     want = run(fresh())
     got = run(ShardedPagedLlama(fresh(), DeviceLayout(2, 2)))
     assert (got - want).abs().max() / want.abs().max() < 1e-5
+
+
+def test_a_quantized_mixture_shards_to_the_one_device_logits(tmp_path):
+    """A mixture quantized after its experts' columns are cut (as a tensor-parallel export does):
+    Q8_0 blocks of 32 cut at a block edge are the whole expert's blocks, so each rank's experts are
+    the one-device model's, held narrow on that rank's device."""
+    pytest.importorskip("transformers")
+    from iree.turbine.aot import DeviceTensorTrait
+
+    from kiln.models.loader import load_hf_directory
+    from kiln.models.quantize import quantize_model
+    from kiln.models.quantized_experts import QuantizedExperts
+    from tests.hf_families import write_family_checkpoint
+
+    checkpoint = load_hf_directory(write_family_checkpoint("mixtral", tmp_path))
+
+    def fresh():
+        return PagedLlama(checkpoint.config, block_seq_stride=8).load_tensors(checkpoint.tensors).eval()
+
+    want = run(quantize_model(fresh(), "q8_0"))
+    sharded = quantize_model(ShardedPagedLlama(fresh(), DeviceLayout(2, 1)), "q8_0")
+    experts = [m for m in sharded.modules() if isinstance(m, QuantizedExperts)]
+    assert len(experts) == 2 * checkpoint.config.num_hidden_layers
+    assert {DeviceTensorTrait.get(p).ordinal for m in experts for p in m.parameters()} == {0, 1}
+    got = run(sharded)
+    assert (got - want).abs().max() / want.abs().max() < 1e-5
