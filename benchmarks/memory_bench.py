@@ -41,7 +41,7 @@ def measure(artifacts: Path, pages: int) -> dict:
     with LLM(artifacts, "cpu", prefix_sharing="none", page_count=pages) as llm:
         loaded = resident()
         service = llm.service
-        cache_bytes = pages * service.program.params.page_elems * service.program.cache_dtype.itemsize
+        cache_bytes = service.pool.buffer_pages * service.program.page_elems * service.program.cache_dtype.itemsize
         rng = np.random.default_rng(0)
         greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
         prompt = min(512, service.program.params.max_seq_len // 2)  # the tiny test model's context is 256

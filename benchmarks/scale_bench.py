@@ -130,7 +130,7 @@ def measure(artifacts: Path) -> dict:
         load_s = time.perf_counter() - started
         loaded = resident()
         program = llm.service.program
-        cache_mib = llm.service.pool.page_count * program.params.page_elems * program.cache_dtype.itemsize / MiB
+        cache_mib = llm.service.pool.buffer_pages * program.page_elems * program.cache_dtype.itemsize / MiB
         rng = np.random.default_rng(0)
         prompt = rng.integers(300, min(llm.service.vocab_size, 32000), PROMPT).tolist()
 

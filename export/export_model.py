@@ -28,7 +28,7 @@ from kiln.models.registry import family_named
 from kiln.models.sharded_llama import ShardedPagedLlama
 from kiln.models.stacked_projections import stack_attention_projections
 from kiln.runtime.config import (BYTE_KV_CACHE_DTYPES, KV_SCALE_BYTES, KilnParams, ModelParams, PagedKVCacheParams,
-                                 save_model_config, sidecar_path)
+                                 PageGroups, save_model_config, sidecar_path)
 from kiln.runtime.contract import (
     CONFIG_FILE, DIFFUSION, MLIR_FILE, PARAMETER_SCOPE, PARAMETERS_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
 )
@@ -108,6 +108,8 @@ def kiln_params(checkpoint: Checkpoint, options: ExportOptions) -> KilnParams:
                                                lora_shapes(c, options.lora_modules).items()}})
     if not c.is_diffusion:
         kiln = replace(kiln, sample_batch_sizes=list(options.sample_batch_sizes))
+    if groups := page_groups_for(checkpoint, options):
+        kiln = replace(kiln, page_groups=groups.to_json())
     if options.embedding_functions and not c.is_diffusion:
         kiln = replace(kiln, embed_batch_sizes=list(options.prefill_batch_sizes),
                        embedding=checkpoint.embedding.to_json())
@@ -142,6 +144,18 @@ def with_decode_buckets(checkpoint: Checkpoint, options: ExportOptions) -> Expor
     return replace(options, decode_buckets=(options.max_seq_len,) if in_place else ())
 
 
+def page_groups_for(checkpoint: Checkpoint, options: ExportOptions) -> PageGroups | None:
+    """The page groups of a model with sliding-window layers (runtime/config.py's PageGroups), so
+    that the runtime may let a block's pages for those layers go once it has left their window;
+    None, every layer in every page, where nothing would leave: no window shorter than the context,
+    or a model spread over devices (whose pages are cut by layers and heads already)."""
+    c = checkpoint.config
+    if (SLIDING not in c.layer_types or not c.sliding_window or c.sliding_window >= options.max_seq_len
+            or c.is_diffusion or options.layout.device_count > 1):
+        return None
+    return PageGroups.of([kind == SLIDING for kind in c.layer_types], c.sliding_window)
+
+
 def build_model(checkpoint: Checkpoint, options: ExportOptions, spill: Spill | None = None
                 ) -> PagedLlama | ShardedPagedLlama:
     """The model to trace: one device's, built on the meta device and filled in a weight at a time
@@ -149,10 +163,12 @@ def build_model(checkpoint: Checkpoint, options: ExportOptions, spill: Spill | N
     placed over the options' device layout."""
     in_place = attention_in_place(checkpoint, options)
     module = family_named(checkpoint.config.architecture).module_class()
+    groups = page_groups_for(checkpoint, options)
 
     def new_model() -> PagedLlama:
         model = module(checkpoint.config, block_seq_stride=options.block_seq_stride, gather_pages=gather_pages,
-                       decode_attention=cpu_attention.KERNELS[options.cache_dtype] if in_place else None)
+                       decode_attention=cpu_attention.KERNELS[options.cache_dtype] if in_place else None,
+                       **({"page_groups": groups} if groups else {}))
         for layer in model.model.layers:
             layer.self_attn.fused = options.attention == "fused"
         return model

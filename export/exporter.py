@@ -155,7 +155,7 @@ def device_affinities(names: tuple[str, ...], cache) -> dict[int, aot.DeviceAffi
     return {first_cache + device: aot.DeviceAffinity(device) for device in range(1, len(cache))}
 
 
-def dynamic_examples(kind: FunctionKind, bs: int, options: ExportOptions) -> dict[str, tuple]:
+def dynamic_examples(kind: FunctionKind, bs: int, options: ExportOptions, groups: int = 0) -> dict[str, tuple]:
     """Example arguments (all but the cache) and their dynamic dimensions for a function of
     `kind` and batch size `bs`: any token length (prefill, denoise) and block count."""
     stride = options.block_seq_stride
@@ -177,8 +177,16 @@ def dynamic_examples(kind: FunctionKind, bs: int, options: ExportOptions) -> dic
         "start_pos": (torch.zeros(bs, dtype=torch.int64), {}),
         "start_positions": (torch.zeros(bs, dtype=torch.int64), {}),
         "seq_lens": (torch.ones(bs, dtype=torch.int64), {}),
-        "seq_block_ids": (torch.zeros(bs, 3, dtype=torch.int64), {1: blocks}),
+        "seq_block_ids": block_table(bs, 3, groups, blocks),
     }
+
+
+def block_table(bs: int, blocks: int, groups: int, dim=None) -> tuple[torch.Tensor, dict]:
+    """An example table of `blocks` pages a row ([bs, groups, blocks] for a model with page groups,
+    models/llama.py) and its dynamic block axis, if `dim`."""
+    if groups:
+        return torch.zeros(bs, groups, blocks, dtype=torch.int64), {2: dim} if dim is not None else {}
+    return torch.zeros(bs, blocks, dtype=torch.int64), {1: dim} if dim is not None else {}
 
 
 def sample(model, logits, temperature, top_k, top_p, min_p, uniform):
@@ -294,6 +302,8 @@ def trace_functions(model: PagedLlama | ShardedPagedLlama, options: ExportOption
     storage = TORCH_DTYPES[kv_storage_dtype(options.cache_dtype)]
     example_pages = max(options.device_block_count, 4)
     lora = bool(options.lora_slots)
+    page_groups = getattr(model, "page_groups", None)
+    groups = page_groups.count if page_groups else 0
     lora_examples = {}
     if lora:  # static shapes: every slot's weights at the build's rank
         weights = stacked_lora_examples(model.config, options.lora_modules, options.lora_slots, options.lora_rank)
@@ -318,13 +328,13 @@ def trace_functions(model: PagedLlama | ShardedPagedLlama, options: ExportOption
                 if planned.context is None:
                     pages = Dim("pages", min=2)
                     cache = as_cache_dtype(example_cache(model, example_pages, cache_dtype), storage)
-                    examples = dynamic_examples(kind, bs, options) | lora_examples
+                    examples = dynamic_examples(kind, bs, options, groups) | lora_examples
                     examples["cache"] = (cache, [{0: pages}] * len(cache) if isinstance(cache, list) else {0: pages})
                 else:
                     cache = as_cache_dtype(example_cache(model, options.device_block_count, cache_dtype), storage)
-                    examples = {name: (tensor, {}) for name, (tensor, _) in dynamic_examples(kind, bs, options).items()}
+                    examples = {name: (tensor, {}) for name, (tensor, _) in dynamic_examples(kind, bs, options, groups).items()}
                     examples |= lora_examples
-                    examples["seq_block_ids"] = (torch.zeros(bs, planned.context // stride, dtype=torch.int64), {})
+                    examples["seq_block_ids"] = block_table(bs, planned.context // stride, groups)
                     examples["cache"] = (cache, [{}] * len(cache) if isinstance(cache, list) else {})
                 if lora:
                     examples["lora_slots"] = (torch.zeros(bs, dtype=torch.int64), {})

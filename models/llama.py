@@ -10,7 +10,8 @@ GeGLU, scaled embeddings, norms after attention and the MLP, soft-capped scores 
 sliding-window layers with their own rotary base (Gemma 2, 3).
 
 Cache layout (the export/runtime contract, docs/abi.md): `cache[pages, page_elems]`,
-each page `[layers, 2 (k, v), kv_heads, block_seq_stride * head_dim]`: a K block is stored
+each page `[layers, 2 (k, v), kv_heads, block_seq_stride * head_dim]` (with `page_groups`, a
+model with sliding layers: the layers of one group, runtime/config.py's PageGroups): a K block is stored
 transposed, `[head_dim, block_seq_stride]`, a V block as `[block_seq_stride, head_dim]` (see
 CachePages for why). A byte cache's page (int8, fp8) then holds each block's scales, a token's in
 two bytes (models/kv_quant.py), in whole blocks. Only the model reads inside a page; the runtime
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.runtime.config import KV_SCALE_BYTES, kv_page_elems, kv_scale_blocks
+from kiln.runtime.config import KV_SCALE_BYTES, PageGroups, kv_page_elems, kv_scale_blocks
 
 from . import kv_quant
 from .config import SLIDING, LlamaConfig
@@ -378,12 +379,15 @@ def index_pages(pages: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 class PagedLlama(nn.Module):
     """`gather_pages` copies whole pages by index (`index_pages`'s contract); `decode_attention`,
     when given, is a one-token step's attention reading the pages in place (the contract of
-    export/cpu_attention.py's `paged_decode_attention`), used instead of gathering them."""
+    export/cpu_attention.py's `paged_decode_attention`), used instead of gathering them.
+    `page_groups`: each page holds one group's layers and the block table has a page per group
+    ([N, groups, B]), so that a sliding group's pages can leave a sequence with its window."""
 
     def __init__(self, config: LlamaConfig, block_seq_stride: int = 16, gather_pages=index_pages,
-                 decode_attention=None):
+                 decode_attention=None, page_groups: PageGroups | None = None):
         super().__init__()
         self.config = config
+        self.page_groups = page_groups
         self.causal = not config.is_diffusion
         self.block_seq_stride = block_seq_stride
         self.gather_pages = gather_pages
@@ -406,9 +410,14 @@ class PagedLlama(nn.Module):
         self.rotary_factor = rope_attention_factor(config)
 
     # -- sizes -------------------------------------------------------------------------
+    @property
+    def page_layers(self) -> int:
+        """Layers whose blocks one page holds."""
+        return self.page_groups.layers_per_page if self.page_groups else self.config.num_hidden_layers
+
     def page_elems(self, dtype=torch.float32) -> int:
         c = self.config
-        return kv_page_elems(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.block_seq_stride,
+        return kv_page_elems(self.page_layers, c.num_key_value_heads, c.head_dim, self.block_seq_stride,
                              cache_dtype_name(dtype))
 
     def allocate_cache(self, pages: int, dtype=torch.float32) -> torch.Tensor:
@@ -487,7 +496,7 @@ class PagedLlama(nn.Module):
         tokens: torch.Tensor,  # [N, T] i64
         start_pos: torch.Tensor,  # [N] i64: position of tokens[:, 0]
         seq_lens: torch.Tensor,  # [N] i64: tokens in the sequence once these are written
-        seq_block_ids: torch.Tensor,  # [N, B] i64: page of each block of the sequence
+        seq_block_ids: torch.Tensor,  # [N, B] i64: page of each block ([N, groups, B] with page_groups)
         cache: torch.Tensor,  # [pages, page_elems], updated in place
     ) -> torch.Tensor:
         """Hidden states [N,T,hidden] after writing the new K/V into the cache.
@@ -500,7 +509,7 @@ class PagedLlama(nn.Module):
         c = self.config
         h = self.embed(tokens)
         step = PagedStep.of(self, tokens, start_pos, seq_lens, seq_block_ids, h.dtype)
-        pages = CachePages(cache, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.block_seq_stride)
+        pages = CachePages(cache, self.page_layers, c.num_key_value_heads, c.head_dim, self.block_seq_stride)
         for index, layer in enumerate(self.model.layers):
             out = pages.attend(layer.self_attn, index, layer.input_layernorm(h), step, self.gather_pages,
                                self.decode_attention)
@@ -512,12 +521,21 @@ class PagedLlama(nn.Module):
 class PagedStep:
     """What every layer of one paged call shares: rotary tables, where each new token's K/V go,
     and which cached keys each query may see. Tensors, so a multi-device export can move them.
-    A model with sliding-window layers has `local`: those layers' (cos, sin, bias)."""
+    A model with sliding-window layers has `local`: those layers' (cos, sin, bias); one with
+    `groups` (PageGroups) a table and write pages per group ([N, groups, B], [N, groups, T])."""
 
-    def __init__(self, cos, sin, write_page, write_slot, bias, visible, seq_block_ids, stride: int, local=None):
+    def __init__(self, cos, sin, write_page, write_slot, bias, visible, seq_block_ids, stride: int, local=None,
+                 groups: PageGroups | None = None):
         self.cos, self.sin, self.write_page, self.write_slot = cos, sin, write_page, write_slot
         self.bias, self.visible, self.seq_block_ids, self.stride = bias, visible, seq_block_ids, stride
-        self.local = local
+        self.local, self.groups = local, groups
+
+    def pages_of(self, layer: int) -> tuple:
+        """(table [N, B], write pages [N, T], the layer's place within a page) of layer `layer`."""
+        if self.groups is None:
+            return self.seq_block_ids, self.write_page, layer
+        group, slot = self.groups.place(layer)
+        return self.seq_block_ids[:, group], self.write_page[:, group], slot
 
     def view(self, sliding: bool) -> tuple:
         """(cos, sin, bias) of a layer, sliding or not."""
@@ -527,13 +545,18 @@ class PagedStep:
     def of(cls, model: "PagedLlama", tokens, start_pos, seq_lens, seq_block_ids, dtype) -> "PagedStep":
         stride = model.block_seq_stride
         n, t = tokens.shape
-        blocks = seq_block_ids.shape[1]
+        blocks = seq_block_ids.shape[-1]
         positions = start_pos.unsqueeze(1) + torch.arange(t).unsqueeze(0)  # [N,T]
         cos, sin = model.rotary(positions, dtype, seq_lens)
         # Where each new token's K/V goes: page, slot within the page.
         live = positions < seq_lens.unsqueeze(1)
         block_index = torch.clamp(positions // stride, max=blocks - 1)
-        write_page = torch.where(live, torch.gather(seq_block_ids, 1, block_index), 0)
+        if model.page_groups is None:
+            write_page = torch.where(live, torch.gather(seq_block_ids, 1, block_index), 0)
+        else:  # a page in every group
+            groups = model.page_groups.count
+            pages = torch.gather(seq_block_ids, 2, block_index.unsqueeze(1).expand(n, groups, t))
+            write_page = torch.where(live.unsqueeze(1), pages, 0)
         write_slot = positions % stride
         # Which cached keys each query may see: real (< seq_len) and not in its future,
         # as an additive float bias built by integer arithmetic: a boolean mask would
@@ -552,13 +575,13 @@ class PagedStep:
             local_bias = ((hidden + too_old).clamp(0, 1).float() * MASKED_SCORE).unsqueeze(1)
             local_rotary = (cos, sin) if model.local_inv_freq is None else model.rotary(positions, dtype, seq_lens, local=True)
             local = (*local_rotary, local_bias)
-        return cls(cos, sin, write_page, write_slot, bias, visible, seq_block_ids, stride, local)
+        return cls(cos, sin, write_page, write_slot, bias, visible, seq_block_ids, stride, local, model.page_groups)
 
     def moved(self, move) -> "PagedStep":
         """The same step with every tensor passed through `move` (a transfer to a device)."""
         local = None if self.local is None else tuple(move(x) for x in self.local)
         return PagedStep(*(move(x) for x in (self.cos, self.sin, self.write_page, self.write_slot, self.bias,
-                                              self.visible, self.seq_block_ids)), self.stride, local)
+                                              self.visible, self.seq_block_ids)), self.stride, local, self.groups)
 
 
 class CachePages:
@@ -613,12 +636,13 @@ class CachePages:
     def attend(self, attn: Attention, layer: int, x, step: PagedStep, gather_pages, decode_attention=None):
         """attn's output for normalized input x, after writing its new K/V as layer `layer`; a
         one-token step reads the pages in place through `decode_attention` when one is given."""
-        n, blocks = step.seq_block_ids.shape
+        table, write_page, layer = step.pages_of(layer)
+        n, blocks = table.shape
         cos, sin, bias = step.view(attn.sliding)
         q, k, v = attn.project(x, cos, sin)
         slot = step.write_slot.unsqueeze(1)  # [N,1,T]
-        self.write(self.block_of(step.write_page, layer), slot, k, v)
-        read = self.block_of(step.seq_block_ids, layer)  # [N,Hkv,B]
+        self.write(self.block_of(write_page, layer), slot, k, v)
+        read = self.block_of(table, layer)  # [N,Hkv,B]
         # The in-place decode kernel reads a prefix of the keys with plain scores: local layers'
         # windows and capped scores take the gathered path.
         if decode_attention is not None and q.shape[2] == 1 and not attn.sliding and attn.softcap is None:

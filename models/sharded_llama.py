@@ -118,6 +118,9 @@ class ShardedPagedLlama(nn.Module):
         c = model.config
         self.config, self.layout = c, layout
         self.causal, self.block_seq_stride, self.gather_pages = model.causal, model.block_seq_stride, model.gather_pages
+        if model.page_groups is not None:
+            raise ValueError("a model spread over devices keeps every layer in every page: build it without page groups")
+        self.page_groups = None
         self.model = model.model  # embeddings and final norm stay on device 0, under their own names
         self.lm_head = model.lm_head
         self.register_buffer("inv_freq", model.inv_freq, persistent=False)

@@ -10,6 +10,7 @@ none, and the runtime then falls back to what it can read off the VMFB.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,52 @@ def kv_page_elems(layers: int, kv_heads: int, head_dim: int, block_seq_stride: i
     head_dim, then a byte cache's scale blocks."""
     blocks = layers * 2 * kv_heads
     return (blocks + kv_scale_blocks(blocks, head_dim, kv_cache_dtype)) * head_dim * block_seq_stride
+
+
+@dataclass(frozen=True)
+class PageGroups:
+    """How a model with sliding-window layers lays out its KV pages so that a block's pages for
+    those layers can be let go once the block has left their window (vLLM's hybrid allocator):
+    each page holds the blocks of `layers_per_page` layers of one kind, a group, and a sequence's
+    block has a page in every group (the compiled functions take a table [rows, groups, blocks]).
+    Groups of global layers hold a block for the whole sequence; groups of sliding layers only
+    while a query still to come may see it (its last key within `window` of the next position)."""
+
+    layers: tuple[tuple[int, ...], ...]  # each group's layers, in page order
+    sliding: tuple[bool, ...]  # whether each group's layers are sliding-window ones
+    window: int  # how many keys a sliding layer's query sees, its own included
+
+    @classmethod
+    def of(cls, sliding_layers: list[bool], window: int) -> "PageGroups":
+        """The groups for layers whose kinds `sliding_layers` gives: as many layers a page as
+        the greatest common divisor of the two kinds' counts, so no page holds both kinds."""
+        kinds = [[i for i, s in enumerate(sliding_layers) if s == sliding] for sliding in (False, True)]
+        per_page = math.gcd(*map(len, kinds))
+        groups = [(tuple(layers[i:i + per_page]), sliding) for sliding, layers in zip((False, True), kinds)
+                  for i in range(0, len(layers), per_page)]
+        return cls(tuple(g for g, _ in groups), tuple(s for _, s in groups), window)
+
+    @property
+    def layers_per_page(self) -> int:
+        return len(self.layers[0])
+
+    @property
+    def count(self) -> int:
+        return len(self.layers)
+
+    def place(self, layer: int) -> tuple[int, int]:
+        """(group, slot within its pages) of layer `layer`."""
+        for group, layers in enumerate(self.layers):
+            if layer in layers:
+                return group, layers.index(layer)
+        raise ValueError(f"layer {layer} is in no page group")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layers": [list(g) for g in self.layers], "sliding": list(self.sliding), "window": self.window}
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> "PageGroups":
+        return cls(tuple(tuple(g) for g in value["layers"]), tuple(value["sliding"]), int(value["window"]))
 
 
 # How an export may store its weight matmuls' weights (models/quantize.py).
@@ -169,6 +216,9 @@ class KilnParams:
     # LoRA adapter slots (models/lora.py), empty without: {"slots", "rank", "layers", "modules":
     # {name: [in, out]}}; the functions then take each row's slot and the stacked weights.
     lora: dict = field(default_factory=dict)
+    # A model with sliding-window layers: its pages' layer groups (PageGroups.to_json); the
+    # functions then take a table [rows, groups, blocks] and a page holds one group's layers.
+    page_groups: dict = field(default_factory=dict)
 
     FIELD_NAMES = ()  # filled below
 

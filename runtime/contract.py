@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .config import KilnParams, ModelParams
+from .config import KilnParams, ModelParams, PageGroups
 
 # The scope of the parameters in the .irpa: the MLIR names them #flow.parameter.named<"model"::...>.
 PARAMETER_SCOPE = "model"
@@ -197,6 +197,8 @@ class Capabilities:
     lora_modules: tuple[tuple[str, int, int], ...] = ()
     # Sizes with a sample_bs<N>, which chooses a decode's or prefill_last's tokens on the device.
     sample_batch_sizes: tuple[int, ...] = ()
+    # A model whose pages hold one group of layers each (config.PageGroups); None: every layer.
+    page_groups: PageGroups | None = None
 
     @property
     def is_diffusion(self) -> bool:
@@ -238,6 +240,7 @@ class Capabilities:
             lora_layers=kiln.lora.get("layers", 0),
             lora_modules=tuple((name, fin, fout) for name, (fin, fout) in kiln.lora.get("modules", {}).items()),
             sample_batch_sizes=() if diffusion else tuple(sorted(kiln.sample_batch_sizes)),
+            page_groups=PageGroups.from_json(kiln.page_groups) if kiln.page_groups else None,
         )
 
     @property

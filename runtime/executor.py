@@ -37,9 +37,11 @@ def new_device_thread() -> ThreadPoolExecutor:
 
 class Executor:
     def __init__(self, program: Program, cache_buffer, page_count: int, vocab_size: int,
-                 thread: ThreadPoolExecutor, one_row_calls: bool = False):
-        """`thread`: the device thread the program was opened on (the service owns and closes it)."""
+                 thread: ThreadPoolExecutor, one_row_calls: bool = False, page_map: np.ndarray | None = None):
+        """`thread`: the device thread the program was opened on (the service owns and closes it);
+        `page_map`: a window pool's (kvcache/window_pool.py), whose pages the tables name."""
         self.program = program
+        self.page_map = page_map
         self.one_row_calls = one_row_calls
         self.cache = cache_buffer
         self.page_count = page_count
@@ -80,7 +82,8 @@ class Executor:
 
     async def _run(self, batch: Batch) -> list[np.ndarray | SampleResult | None]:
         try:
-            invocation = build_invocation(batch, self.program.capabilities, self.page_count, self.vocab_size)
+            invocation = build_invocation(batch, self.program.capabilities, self.page_count, self.vocab_size,
+                                          self.page_map)
         except InvocationError:
             raise
         except Exception as error:  # a scheduler bug must not take the service down

@@ -32,10 +32,11 @@ class Invocation:
     sample: tuple[str, tuple[np.ndarray, ...]] | None = None
 
 
-def build_invocation(batch: Batch, abi: Capabilities, page_count: int, vocab_size: int) -> Invocation:
+def build_invocation(batch: Batch, abi: Capabilities, page_count: int, vocab_size: int,
+                     page_map: np.ndarray | None = None) -> Invocation:
     """The function to call and its arguments; InvocationError for anything off the contract."""
     if batch.phase is Phase.SPECULATE:
-        return _speculation_as_decode(batch, abi, page_count, vocab_size)
+        return _speculation_as_decode(batch, abi, page_count, vocab_size, page_map)
     rows, stride = batch.batch_size, abi.block_seq_stride
     if batch.rows > rows or not batch.rows:
         raise InvocationError(f"{batch.rows} rows for a batch of {rows}")
@@ -95,6 +96,8 @@ def build_invocation(batch: Batch, abi: Capabilities, page_count: int, vocab_siz
         pages = pages[:blocks]
         table[row, : len(pages)] = pages
     _validate(batch, abi, page_count, vocab_size, tokens, seq_lens, table)
+    if page_map is not None:  # each block's page in every group (kvcache/window_pool.py): [rows, groups, blocks]
+        table = np.ascontiguousarray(page_map[table].transpose(0, 2, 1))
 
     read_at: list[tuple[int, int | slice]] = []
     for row, (chunk, full) in enumerate(zip(batch.tokens, batch.full_logits)):
@@ -132,7 +135,8 @@ def _sample_call(batch: Batch, abi: Capabilities, last_only: bool) -> tuple[str,
     return function_name(FunctionKind.SAMPLE, rows), (temperature, top_k, top_p, min_p, uniform)
 
 
-def _speculation_as_decode(batch: Batch, abi: Capabilities, page_count: int, vocab_size: int) -> Invocation:
+def _speculation_as_decode(batch: Batch, abi: Capabilities, page_count: int, vocab_size: int,
+                           page_map: np.ndarray | None = None) -> Invocation:
     """A speculation batch (each row its last token and its draft) as one decode call with a row
     per token: the row for a draft's i-th token sits at its own position and attends to the
     tokens before it, whose K/V the rows before it write in the same call (decode writes every
@@ -151,7 +155,7 @@ def _speculation_as_decode(batch: Batch, abi: Capabilities, page_count: int, voc
     seq_ids, starts, tokens, tables, row_slots = zip(*rows)
     decode = Batch(Phase.DECODE, batch.batch_size, seq_ids, starts, tokens, tables, (True,) * len(rows),
                    (False,) * len(rows), lora_slots=row_slots)
-    call = build_invocation(decode, abi, page_count, vocab_size)
+    call = build_invocation(decode, abi, page_count, vocab_size, page_map)
     wanted = tuple(samples or full for samples, full in zip(batch.samples, batch.full_logits))
     return Invocation(call.function, call.arguments, tuple(read_at), wanted)
 

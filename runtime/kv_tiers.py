@@ -13,6 +13,7 @@ from .errors import ModelLoadError
 from .kvcache.disk_tier import DiskKvStore, model_fingerprint
 from .kvcache.host_tier import HostKvTier
 from .kvcache.page_pool import PagePool
+from .kvcache.window_pool import WindowPagePool
 from .program import Program
 from .service_config import ServiceConfig
 
@@ -23,7 +24,7 @@ def host_tier_for(config: ServiceConfig, pool: PagePool, program: Program, host_
                   prefix_sharing: str) -> HostKvTier:
     """The host-memory tier. Its copies are memcpys of the KV cache mapped into host memory, so
     the device's cache must be one the host can map (the CPU's)."""
-    page_bytes = program.params.page_elems * program.cache_dtype.itemsize
+    page_bytes = program.block_elems * program.cache_dtype.itemsize
     if prefix_sharing != "trie":
         raise ModelLoadError("the host and disk KV tiers keep the prefix cache's pages: they need "
                              "--prefix-sharing trie (and an export whose prefill takes start positions)")
@@ -36,16 +37,16 @@ def host_tier_for(config: ServiceConfig, pool: PagePool, program: Program, host_
                              "device-local memory")
     log.info("host KV tier: %d pages (%.0f MiB), %s", slots, slots * page_bytes / 2**20,
              config.host_kv_write_policy.replace("_", "-"))
-    return HostKvTier(slots, program.params.page_elems, program.cache_dtype, config.host_kv_write_policy)
+    return HostKvTier(slots, program.block_elems, program.cache_dtype, config.host_kv_write_policy,
+                      rows_of=pool.rows_of if isinstance(pool, WindowPagePool) else None)
 
 
 def disk_store_for(config: ServiceConfig, artifacts: Artifacts, program: Program) -> DiskKvStore:
-    params = program.params
-    layout = f"{params.page_elems}:{program.cache_dtype}:{program.capabilities.block_seq_stride}"
+    layout = f"{program.block_elems}:{program.cache_dtype}:{program.capabilities.block_seq_stride}"
     config_files = [Path(artifacts.config), sidecar_path(Path(artifacts.config))]
     try:
         fingerprint = model_fingerprint(config_files, Path(artifacts.params), layout)
-        store = DiskKvStore(Path(config.kv_cache_dir), fingerprint, params.page_elems, program.cache_dtype)
+        store = DiskKvStore(Path(config.kv_cache_dir), fingerprint, program.block_elems, program.cache_dtype)
     except OSError as error:
         raise ModelLoadError(f"cannot use --kv-cache-dir {config.kv_cache_dir}: {error}") from None
     log.info("disk KV tier: %s", store.directory)

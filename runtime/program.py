@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 from iree import runtime as ireert
 
-from .config import KilnParams, kv_storage_dtype, kv_storage_elems, load_model_config
+from .config import KilnParams, kv_page_elems, kv_storage_dtype, kv_storage_elems, load_model_config
 from .contract import PARAMETER_SCOPE, Artifacts, Capabilities, ContractError, parse_function_name
 from .device_layout import DeviceLayout
 from .devices import ShardedKvCache, open_devices
@@ -66,10 +66,28 @@ class Program:
             return np.dtype(ml_dtypes.bfloat16)
         return np.dtype(name)
 
+    @property
+    def page_elems(self) -> int:
+        """Elements (of cache_dtype) in one page of the cache's buffer: every layer's block, or one
+        group's for a model with page groups (config.PageGroups)."""
+        groups = self.capabilities.page_groups
+        if groups is None:
+            return self.params.page_elems
+        kv, p = self.params.paged_kv_cache, self.params
+        elems = kv_page_elems(groups.layers_per_page, kv.attention_head_count_kv, p.attn_head_dim,
+                              kv.block_seq_stride, kv.kv_cache_dtype)
+        return kv_storage_elems(elems, kv.kv_cache_dtype)
+
+    @property
+    def block_elems(self) -> int:
+        """Elements one block of a sequence takes in the cache: a page in every group."""
+        groups = self.capabilities.page_groups
+        return self.page_elems * (groups.count if groups else 1)
+
     def allocate_cache(self, pages: int) -> ireert.DeviceArray | ShardedKvCache:
         """The KV cache, zeroed, allocated once: one device buffer, or one on each device."""
         if self.layout.device_count == 1:
-            return ireert.asdevicearray(self.device, np.zeros((pages, self.params.page_elems), dtype=self.cache_dtype))
+            return ireert.asdevicearray(self.device, np.zeros((pages, self.page_elems), dtype=self.cache_dtype))
         p = self.params
         dtype = p.paged_kv_cache.kv_cache_dtype
         widths = [kv_storage_elems(width, dtype) for width in

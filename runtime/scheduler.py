@@ -123,12 +123,17 @@ class BaseScheduler:
     def written(self, batch: Batch) -> None:
         """A batch has run: its rows' K/V are in the cache (a prompt's full pages published), and
         a sequence whose prompt is all written decodes from now on."""
-        for seq, chunk in zip(self.sequences_of(batch), batch.tokens):
+        for seq, start, chunk in zip(self.sequences_of(batch), batch.starts, batch.tokens):
             if seq is None:  # finished (aborted) while the batch ran
                 continue
             seq.computed += len(chunk)
             if batch.phase in (Phase.PREFILL, Phase.EMBED):
                 self.publish(seq)
+            if seq.allocation is not None:
+                # A draft's tokens may yet be rejected (Sequence.append): its window moves only past
+                # the token certain to stay.
+                certain = start + 1 if batch.phase is Phase.SPECULATE else seq.computed
+                self.cache.advance(seq.allocation, certain)
             if seq.state is SequenceState.PREFILL and seq.computed >= seq.prefill_target:
                 seq.state = SequenceState.DECODE
 
@@ -165,6 +170,8 @@ class Scheduler(BaseScheduler):
         decoding = [s for s in self.running if s.state is SequenceState.DECODE]
         if prefilling and (not decoding or self.last_phase is Phase.DECODE):
             batch = self._prefill_batch(prefilling, budgeted=bool(decoding))
+            if batch is None and decoding:  # no prompt could have its chunk's pages now
+                batch = self._decode_batch(decoding)
         elif decoding:
             batch = self._decode_batch(decoding)
             if batch is None and prefilling:
@@ -222,7 +229,7 @@ class Scheduler(BaseScheduler):
                 return True
         return False
 
-    def _prefill_batch(self, candidates: list[Sequence], budgeted: bool) -> Batch:
+    def _prefill_batch(self, candidates: list[Sequence], budgeted: bool) -> Batch | None:
         # As many rows as the largest exported size that they fill: prefill is compute-bound
         # and a padding row costs as much as a real one, so two prompts with sizes [1, 4] run
         # as two batches of 1 rather than one batch of 4 that is half padding.
@@ -240,16 +247,24 @@ class Scheduler(BaseScheduler):
             stride = self.config.block_seq_stride
             share = self.config.budget // len(candidates) // stride * stride
             chunk_tokens = min(chunk_tokens, max(stride, share))
-        starts, chunks, samples = [], [], []
+        starts, chunks, samples, kept = [], [], [], []
         for seq in candidates:
+            if not seq.state.holds_pages:
+                continue  # preempted to make room for an earlier one
             end = min(seq.prefill_target, seq.computed + chunk_tokens)
+            # The chunk's pages: a window pool (kvcache/window_pool.py) gives sliding layers' pages as
+            # their blocks are about to be written; any other pool's are there since admission.
+            if not self._ensure_pages(seq, exclude=kept, tokens=end):
+                continue
+            kept.append(seq)
             starts.append(seq.computed)
             chunks.append(tuple(seq.tokens[seq.computed : end]))
             # A preempted sequence already sampled its last token: nothing to sample here.
             samples.append(end == seq.prefill_target and end == len(seq.tokens))
-        full_logits = tuple(seq.computes_whole_prompt for seq in candidates)
-        return self._batch(phase, smallest_fitting(sizes, len(candidates)), candidates, starts, chunks,
-                           samples, full_logits)
+        if not kept:
+            return None
+        full_logits = tuple(seq.computes_whole_prompt for seq in kept)
+        return self._batch(phase, smallest_fitting(sizes, len(kept)), kept, starts, chunks, samples, full_logits)
 
     def _decode_batch(self, candidates: list[Sequence]) -> Batch | None:
         # Least recently served first: more sequences than the largest batch take turns.
@@ -315,9 +330,10 @@ class Scheduler(BaseScheduler):
                      lora_slots=tuple(s.request.lora_slot for s in seqs))
 
     # -- pages ------------------------------------------------------------------------
-    def _ensure_pages(self, seq: Sequence, exclude: list[Sequence]) -> bool:
-        """Pages for seq's next token, preempting younger sequences if the pool is dry."""
-        while not self.cache.extend_allocation(seq.allocation, len(seq.tokens)):
+    def _ensure_pages(self, seq: Sequence, exclude: list[Sequence], tokens: int | None = None) -> bool:
+        """Pages for seq's first `tokens` (default: up to its next token), preempting younger
+        sequences if the pool is dry."""
+        while not self.cache.extend_allocation(seq.allocation, len(seq.tokens) if tokens is None else tokens):
             victim = max(
                 (s for s in self.running if s not in exclude),
                 key=lambda s: (s.request.priority, s.seq_id),

@@ -39,6 +39,7 @@ from .kvcache.events import CacheCleared, KvEventLog
 from .kvcache.page_pool import PagePool
 from .kvcache.plain_cache import PlainPagedAttentionCache
 from .kvcache.trie_cache import TriePagedAttentionCache
+from .kvcache.window_pool import WindowPagePool
 from .kv_cache_size import choose_pages, device_memory
 from .kv_tiers import disk_store_for, host_tier_for
 from .kvcache.tiers import KvTiers
@@ -66,6 +67,17 @@ def check_one_row_calls(abi) -> None:
     if 1 not in abi.prefill_batch_sizes or 1 not in abi.decode_batch_sizes:
         raise ModelLoadError("batch invariance calls prefill and decode at batch 1, and this export has no "
                              "such function: export it with 1 among --bs-prefill and --bs-decode")
+
+
+def page_pool_for(program: Program, pages: int, release_windows: bool = True, step_tokens: int = 0) -> PagePool:
+    """The KV cache's pool of `pages` pages on the program's device: a window pool (kvcache/window_pool.py)
+    with the same memory for a model whose pages hold its layers by groups, whose sequences write at
+    most `step_tokens` a call (0: a whole context)."""
+    abi = program.capabilities
+    if abi.page_groups is None:
+        return PagePool(pages, program.allocate_cache)
+    return WindowPagePool.sized(abi.page_groups, pages, abi.block_seq_stride, abi.max_seq_len,
+                                program.allocate_cache, release_windows, step_tokens)
 
 
 class ServiceState(enum.Enum):
@@ -199,7 +211,7 @@ class GenerateService:
         if grammar_engine_installed() and not program.capabilities.is_diffusion:
             self.grammars = GrammarCompiler(tokenizer_path.read_text(), self.vocab_size, self.eos_token_ids)
 
-        page_bytes = params.page_elems * program.cache_dtype.itemsize
+        page_bytes = program.block_elems * program.cache_dtype.itemsize
         try:
             size = choose_pages(
                 page_bytes=page_bytes, export_pages=params.paged_kv_cache.device_block_count,
@@ -208,8 +220,12 @@ class GenerateService:
                 memory=None if config.page_count or config.memory_budget_bytes else device_memory(config.device))
         except ValueError as error:
             raise ModelLoadError(str(error)) from None
-        page_count = size.pages
-        pool = PagePool(page_count, program.allocate_cache)
+        # A host or disk tier copies a block whole: with one, a model's sliding layers keep every page.
+        # What a call writes of one sequence at most: a prefill chunk, or a row and its draft.
+        step = max(config.chunk_tokens, 1 + (config.speculative.num_tokens if config.speculative else 0))
+        pool = page_pool_for(program, size.pages, release_windows=not (config.host_kv_bytes or config.kv_cache_dir),
+                             step_tokens=step if abi.has_prefill_position else 0)
+        page_count = pool.page_count
         if abi.decode_buckets and page_count != abi.fixed_page_count:
             log.info("decode calls the functions whose shapes are dynamic: the fixed-shape ones take a cache of "
                      "exactly %d pages (the export's --device-block-count), this one has %d",
@@ -226,7 +242,7 @@ class GenerateService:
         host_tier = None
         if config.host_kv_bytes or config.kv_cache_dir:
             # The disk tier reads into host slots: without a size given, as many as device pages.
-            host_bytes = config.host_kv_bytes or page_count * page_bytes
+            host_bytes = config.host_kv_bytes or size.pages * page_bytes
             host_tier = host_tier_for(config, pool, program, host_bytes, prefix_sharing)
         if config.kv_events:
             if prefix_sharing != "trie":
@@ -234,15 +250,16 @@ class GenerateService:
                                      "(and an export whose prefill takes start positions)")
             self.kv_events = KvEventLog()
             self.kv_events.emit(CacheCleared())  # whatever a subscriber knew of an earlier run is gone
-        cache = (TriePagedAttentionCache(pool, abi.block_seq_stride, host_tier, self.kv_events)
-                 if prefix_sharing == "trie" else PlainPagedAttentionCache(pool, abi.block_seq_stride))
+        # The scheduler covers each call's tokens before it runs: sliding pages are given as they are needed.
+        cache = (TriePagedAttentionCache(pool, abi.block_seq_stride, host_tier, self.kv_events, lazy_windows=True)
+                 if prefix_sharing == "trie" else PlainPagedAttentionCache(pool, abi.block_seq_stride, lazy_windows=True))
         if host_tier is not None:
             disk = disk_store_for(config, artifacts, program) if config.kv_cache_dir else None
             self.kv_tiers = KvTiers(cache, host_tier, disk)
         if config.batch_invariant:
             check_one_row_calls(abi)
         executor = Executor(program, pool.buffer, page_count, self.vocab_size, self._device_thread,
-                            one_row_calls=config.batch_invariant)
+                            one_row_calls=config.batch_invariant, page_map=getattr(pool, "page_map", None))
         self.program, self.cache, self.pool = program, cache, pool
         self._load_loras(abi, executor)
         stopping = Stopping(self.tokenizer, self.eos_token_ids, abi.max_seq_len)
@@ -255,8 +272,14 @@ class GenerateService:
         log.info(
             "loaded %s: %d KV pages of %d tokens (%.0f MiB; %s) in %.1fs",
             artifacts.vmfb, page_count, abi.block_seq_stride,
-            page_count * page_bytes / 2**20, size.reason, time.monotonic() - started,
+            size.pages * page_bytes / 2**20, size.reason, time.monotonic() - started,
         )
+        if isinstance(pool, WindowPagePool):
+            groups = pool.groups
+            log.info("its sliding layers' pages %s: pages of %d layers, %d groups (%d sliding, window %d tokens)",
+                     "are let go as blocks leave their window" if pool.release_windows else
+                     "are all kept (a host or disk KV tier copies blocks whole)",
+                     groups.layers_per_page, groups.count, sum(groups.sliding), groups.window)
 
     def _load_loras(self, abi, executor: Executor) -> None:
         """A LoRA build's adapter registry, its empty slots on the device, and the adapters the
@@ -326,11 +349,11 @@ class GenerateService:
             raise ModelLoadError(f"the APD verifier's context ({own.max_seq_len}) is shorter than the model's "
                                  f"({abi.max_seq_len})")
         verifier_vocab = self._same_tokenizer(self.config.apd_verifier, "APD verifier")
-        pages = -(-tokens // own.block_seq_stride) + 1
-        pool = PagePool(pages, verifier.allocate_cache)
+        pool = page_pool_for(verifier, -(-tokens // own.block_seq_stride) + 1)
         self.verifier_cache = PlainPagedAttentionCache(pool, own.block_seq_stride)
-        self.verifier_executor = Executor(verifier, pool.buffer, pages, verifier.kiln.vocab_size or verifier_vocab,
-                                          self._device_thread)
+        self.verifier_executor = Executor(verifier, pool.buffer, pool.page_count,
+                                          verifier.kiln.vocab_size or verifier_vocab, self._device_thread,
+                                          page_map=getattr(pool, "page_map", None))
         self.verifier = verifier
 
     def _same_tokenizer(self, artifacts: Artifacts, label: str) -> int:
@@ -388,10 +411,12 @@ class GenerateService:
                                  f"({abi.max_seq_len})")
         draft_vocab = draft.kiln.vocab_size or tokenizer_vocab
         # Room for every running sequence at full context; fewer pages only evict drafts' K/V.
-        pages = min(self.pool.total, -(-abi.max_seq_len // own.block_seq_stride) * self.config.max_running) + 1
-        pool = PagePool(pages, draft.allocate_cache)
+        pages = min(self.pool.sequence_capacity,
+                    -(-abi.max_seq_len // own.block_seq_stride) * self.config.max_running) + 1
+        pool = page_pool_for(draft, pages)
         self.draft_program = draft
-        self.draft_executor = Executor(draft, pool.buffer, pages, draft_vocab, self._device_thread)
+        self.draft_executor = Executor(draft, pool.buffer, pool.page_count, draft_vocab, self._device_thread,
+                                       page_map=getattr(pool, "page_map", None))
         return Speculator(scheduler, spec.num_tokens, self.vocab_size, max_rows=spec.disable_by_batch_size,
                           draft_model=DraftModel(
             self.draft_executor, PlainPagedAttentionCache(pool, own.block_seq_stride), own.prefill_batch_sizes,
@@ -468,7 +493,7 @@ class GenerateService:
     @property
     def context_capacity(self) -> int:
         """The most tokens (prompt + output) one sequence can hold: the context, or the whole cache if smaller."""
-        return min(self.max_seq_len, self.pool.total * self.cache.block_seq_stride)
+        return min(self.max_seq_len, self.pool.sequence_capacity * self.cache.block_seq_stride)
 
     def default_max_tokens(self, prompt_len: int) -> int:
         """max_tokens where a route has no default of its own: the rest of the context, at most
@@ -532,9 +557,9 @@ class GenerateService:
             raise InvalidRequestError("prompt logprobs need every position's logits: this export's prefill "
                                       "returns the last", param="prompt_logprobs")
         pages = self.cache.pages_for(total) * footprint.copies
-        if pages > self.pool.total:
+        if pages > self.pool.sequence_capacity:
             raise InvalidRequestError(
-                f"the request needs {pages} KV-cache pages and the cache has {self.pool.total}: "
+                f"the request needs {pages} KV-cache pages and the cache has {self.pool.sequence_capacity}: "
                 "lower max_tokens or start the server with a larger cache", param="max_tokens",
             )
 

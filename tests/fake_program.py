@@ -98,6 +98,14 @@ class FakeProgram:
     def cache_dtype(self) -> np.dtype:
         return np.dtype(np.float32)
 
+    @property
+    def page_elems(self) -> int:
+        return self.params.page_elems
+
+    @property
+    def block_elems(self) -> int:
+        return self.params.page_elems
+
     def allocate_cache(self, pages: int) -> np.ndarray:
         # One token id per slot (k: page, stride slots); -1 where nothing was written.
         return np.full((pages, self.params.block_seq_stride), -1, np.int64)

@@ -18,7 +18,10 @@ class PagedDriver:
         self.program = program
         self.stride = program.params.block_seq_stride
         self.pages = pages
-        self.cache = program.allocate_cache(pages)
+        # A model whose pages hold its layers by groups: each page here has a page per group.
+        groups = program.capabilities.page_groups
+        self.groups = groups.count if groups else 0
+        self.cache = program.allocate_cache(pages * self.groups + 1 if groups else pages)
         self.next_page = 1
         self.tables: list[list[int]] = []
 
@@ -36,7 +39,11 @@ class PagedDriver:
         for row, seq in enumerate(seqs):
             pages = self.tables[seq][:blocks]
             table[row, : len(pages)] = pages
-        return table
+        if not self.groups:
+            return table
+        # Page p's page in group g: (p - 1) * groups + g + 1; page 0 stays 0 in every group.
+        per_group = np.arange(self.groups).reshape(1, -1, 1) + 1
+        return np.where(table[:, None, :] > 0, (table[:, None, :] - 1) * self.groups + per_group, 0)
 
     def prefill(self, seqs, prompts, batch: int, start_pos=None, function: str = "prefill") -> np.ndarray:
         """Logits [batch, T, V] (or [batch, 1, V]) for each prompt written at start_pos."""

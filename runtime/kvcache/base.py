@@ -24,6 +24,10 @@ What holds, for every implementation:
 - **Between steps.** Pages change hands (acquired, freed, evicted, restored from the host tier)
   only between model calls, and the copies between the device and the host are made then, on
   the device's thread (`tiers.KvTiers.flush`), so no call reads a page while it moves.
+- **Windowed.** With a pool whose pages hold sliding-window layers apart (window_pool.py), a
+  sequence watches the pages of its blocks from `window_start` on; `advance` moves that start as
+  its K/V are written, and the pages left behind lose their sliding layers' pages once nothing else
+  needs them. A prefix is served only as far as the pages its first query may see still have them.
 - **Counted.** The pool's reference count on a page is its number of holders (the cache's
   one while it caches it, plus one per allocation): the page is free exactly when it is zero.
   `check_integrity` asserts this accounting.
@@ -36,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .page_pool import PagePool
+from .window_pool import WindowPagePool
 
 
 @dataclass
@@ -47,6 +52,11 @@ class PageAllocation:
     # hit): always a multiple of block_seq_stride and less than the sequence's length, so at
     # least one token is left to compute.
     cached_tokens: int = 0
+    # With a pool that lets sliding layers' pages go (window_pool.py): the blocks whose pages the
+    # sequence watches, window_start up to window_end (those a query still to come may see, up to
+    # the last it is about to write).
+    window_start: int = 0
+    window_end: int = 0
     # Implementation state (trie nodes referenced, pages published...).
     handle: Any = field(default=None, repr=False)
     released: bool = False
@@ -68,9 +78,13 @@ class CacheStats:
 class BasePagedAttentionCache(ABC):
     shares_prefixes = False  # whether a published page can serve another sequence's prefix
 
-    def __init__(self, page_pool: PagePool, block_seq_stride: int):
+    def __init__(self, page_pool: PagePool, block_seq_stride: int, lazy_windows: bool = False):
+        """`lazy_windows`: with a window pool, a block's sliding pages are given when
+        `extend_allocation` covers it, as a scheduler does before every call that writes it
+        (rather than with its page), so that a long prompt holds them only as its chunks pass."""
         self.page_pool = page_pool
         self.block_seq_stride = block_seq_stride
+        self.lazy_windows = lazy_windows
 
     def pages_for(self, token_count: int) -> int:
         return -(-token_count // self.block_seq_stride)
@@ -84,16 +98,65 @@ class BasePagedAttentionCache(ABC):
         """
 
     def extend_allocation(self, allocation: PageAllocation, token_count: int) -> bool:
-        """Grow `allocation` to cover `token_count` positions; False (unchanged) if no pages."""
+        """Grow `allocation` to cover `token_count` positions (with a window pool, its blocks' sliding
+        pages too); False (unchanged) if no pages."""
         assert not allocation.released, "extend of a freed allocation"
-        missing = self.pages_for(token_count) - len(allocation.pages)
-        if missing <= 0:
-            return True
-        pages = self._acquire_private(missing)
+        blocks = self.pages_for(token_count)
+        missing = blocks - len(allocation.pages)
+        pages = self._acquire_private(missing) if missing > 0 else []
         if pages is None:
             return False
         allocation.pages.extend(pages)
+        if self.windowed is not None and not self._open_window(allocation, blocks if self.lazy_windows
+                                                                else len(allocation.pages)):
+            del allocation.pages[len(allocation.pages) - len(pages):]
+            self._release_private(pages)
+            return False
         return True
+
+    def _open_window(self, allocation: PageAllocation, blocks: int) -> bool:
+        """The allocation watches its pages up to block `blocks` (given their sliding pages, making
+        room in the cache if it must); False, unchanged, where there is none."""
+        if blocks <= allocation.window_end:
+            return True
+        while not self.windowed.watch(allocation.pages[allocation.window_end : blocks]):
+            if not self._make_room():
+                return False
+        allocation.window_end = blocks
+        return True
+
+    def _make_room(self) -> bool:
+        """Let go of a cached page to make room; False where there is none."""
+        return False
+
+    def _release_private(self, pages: list[int]) -> None:
+        """Give back fresh pages an allocation took and does not keep."""
+        self.page_pool.release(pages)
+
+    @property
+    def windowed(self) -> WindowPagePool | None:
+        """The pool, where it lets sliding layers' pages go (window_pool.py); else None."""
+        pool = self.page_pool
+        return pool if isinstance(pool, WindowPagePool) and pool.release_windows else None
+
+    def window_start_for(self, position: int) -> int:
+        """The first block a query at `position` (and every later one) may see in a sliding layer."""
+        return max(0, position - self.windowed.groups.window + 1) // self.block_seq_stride
+
+    def advance(self, allocation: PageAllocation, computed: int) -> None:
+        """`computed` tokens of the allocation's sequence have their K/V written: it stops watching
+        the pages its queries to come can no longer see, whose sliding layers' pages may then go."""
+        if self.windowed is None or allocation.released:
+            return
+        start = min(self.window_start_for(computed), allocation.window_end)
+        if start > allocation.window_start:
+            self.windowed.unwatch(allocation.pages[allocation.window_start : start])
+            allocation.window_start = start
+
+    def _leave_window(self, allocation: PageAllocation) -> None:
+        """The sequence ends: it watches none of its pages any more."""
+        if self.windowed is not None:
+            self.windowed.unwatch(allocation.pages[allocation.window_start : allocation.window_end])
 
     @abstractmethod
     def _acquire_private(self, count: int) -> list[int] | None:
@@ -114,6 +177,19 @@ class BasePagedAttentionCache(ABC):
 
     @abstractmethod
     def stats(self) -> CacheStats: ...
+
+    def _check_windows(self, allocations) -> None:
+        """Each page is watched by exactly the live allocations whose window holds it."""
+        if self.windowed is None:
+            return
+        watching: dict[int, int] = {}
+        for allocation in allocations:
+            assert 0 <= allocation.window_start <= allocation.window_end <= len(allocation.pages), (
+                "window outside the pages")
+            for page in allocation.pages[allocation.window_start : allocation.window_end]:
+                watching[page] = watching.get(page, 0) + 1
+        for page, count in enumerate(self.windowed.watchers):
+            assert count == watching.get(page, 0), f"page {page}: watched {count}, in {watching.get(page, 0)} windows"
 
     @abstractmethod
     def check_integrity(self) -> None:

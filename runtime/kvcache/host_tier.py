@@ -28,7 +28,11 @@ class TransferCounters:
 
 
 class HostKvTier:
-    def __init__(self, slot_count: int, page_elems: int, dtype: np.dtype, write_policy: str = "write_through"):
+    def __init__(self, slot_count: int, page_elems: int, dtype: np.dtype, write_policy: str = "write_through",
+                 rows_of=None):
+        """`page_elems`: a slot's elements; `rows_of(page)`, where a page the cache hands out is
+        backed by several rows of the device's buffer (window_pool.py: one per group of layers), those
+        rows, read when a copy is queued (the page may change hands before the flush)."""
         if slot_count < 1:
             raise ValueError(f"a host KV tier needs at least one page, got {slot_count}")
         if write_policy not in WRITE_POLICIES:
@@ -39,9 +43,10 @@ class HostKvTier:
         self.storage = np.zeros((slot_count, page_elems), dtype=dtype)
         self.page_bytes = page_elems * np.dtype(dtype).itemsize
         self._free: deque[int] = deque(range(slot_count))
-        self._to_host: list[tuple[int, int, object]] = []  # (device page, slot, owner) waiting for flush
+        self._rows_of = rows_of or (lambda page: [page])
+        self._to_host: list[tuple[list[int], int, object]] = []  # (device rows, slot, owner) waiting for flush
         self._fills: list[tuple[int, np.ndarray]] = []  # (slot, K/V read from disk)
-        self._to_device: list[tuple[int, int]] = []  # (slot, device page)
+        self._to_device: list[tuple[int, list[int]]] = []  # (slot, device rows)
         self.counters = TransferCounters()
 
     @property
@@ -64,14 +69,14 @@ class HostKvTier:
 
     def copy_to_host(self, page: int, slot: int, owner: object = None) -> None:
         """Queue a copy; `owner` comes back from the flush that makes it (the disk tier saves it)."""
-        self._to_host.append((page, slot, owner))
+        self._to_host.append((self._rows_of(page), slot, owner))
 
     def fill(self, slot: int, data: np.ndarray) -> None:
         """Queue K/V from elsewhere (the disk tier) into a slot, made in order with the copies."""
         self._fills.append((slot, data))
 
     def copy_to_device(self, slot: int, page: int) -> None:
-        self._to_device.append((slot, page))
+        self._to_device.append((slot, self._rows_of(page)))
 
     @property
     def pending(self) -> bool:
@@ -84,12 +89,12 @@ class HostKvTier:
         to_host, self._to_host = self._to_host, []
         fills, self._fills = self._fills, []
         to_device, self._to_device = self._to_device, []
-        for page, slot, _ in to_host:
-            self.storage[slot] = device_pages[page]
+        for rows, slot, _ in to_host:
+            self.storage[slot] = device_pages[rows].reshape(-1)
         for slot, data in fills:
             self.storage[slot] = data
-        for slot, page in to_device:
-            device_pages[page] = self.storage[slot]
+        for slot, rows in to_device:
+            device_pages[rows] = self.storage[slot].reshape(len(rows), -1)
         counters = self.counters
         counters.pages_to_host += len(to_host)
         counters.pages_to_device += len(to_device)

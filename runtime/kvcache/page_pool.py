@@ -27,6 +27,21 @@ class PagePool:
     def free_count(self) -> int:
         return len(self._free)
 
+    @property
+    def buffer_pages(self) -> int:
+        """Pages the device buffer holds."""
+        return self.page_count
+
+    @property
+    def sequence_capacity(self) -> int:
+        """The most pages one sequence can be sure to hold."""
+        return self.total
+
+    @property
+    def available_count(self) -> int:
+        """How many pages `acquire` could hand out now."""
+        return len(self._free)
+
     def acquire(self, count: int) -> list[int] | None:
         """`count` free pages with a reference each, or None (taking nothing)."""
         if count > len(self._free):
@@ -48,6 +63,10 @@ class PagePool:
             self.refcounts[page] -= 1
             if self.refcounts[page] == 0:
                 self._free.append(page)
+                self._freed(page)
+
+    def _freed(self, page: int) -> None:
+        """`page` has just gone back to the free list (what backs it, a subclass lets go of)."""
 
     def check_integrity(self) -> None:
         free = set(self._free)

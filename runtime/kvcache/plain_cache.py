@@ -11,8 +11,8 @@ from .page_pool import PagePool
 
 
 class PlainPagedAttentionCache(BasePagedAttentionCache):
-    def __init__(self, page_pool: PagePool, block_seq_stride: int):
-        super().__init__(page_pool, block_seq_stride)
+    def __init__(self, page_pool: PagePool, block_seq_stride: int, lazy_windows: bool = False):
+        super().__init__(page_pool, block_seq_stride, lazy_windows)
         # Live allocations by identity, so check_integrity can account for every page.
         self._live: dict[int, PageAllocation] = {}
 
@@ -22,6 +22,9 @@ class PlainPagedAttentionCache(BasePagedAttentionCache):
             return None
         allocation = PageAllocation(pages=pages)
         self._live[id(allocation)] = allocation
+        if self.windowed is not None and not self.lazy_windows and not self._open_window(allocation, len(pages)):
+            self.free_cache_pages(allocation)
+            return None
         return allocation
 
     def _acquire_private(self, count: int) -> list[int] | None:
@@ -33,6 +36,7 @@ class PlainPagedAttentionCache(BasePagedAttentionCache):
     def free_cache_pages(self, allocation: PageAllocation) -> None:
         if allocation.released:
             return
+        self._leave_window(allocation)
         allocation.released = True
         self._live.pop(id(allocation), None)
         self.page_pool.release(allocation.pages)
@@ -53,6 +57,7 @@ class PlainPagedAttentionCache(BasePagedAttentionCache):
                 assert page not in seen, f"page {page} is held by two sequences"
                 assert pool.refcounts[page] == 1, f"page {page}: refcount {pool.refcounts[page]}, expected 1"
                 seen.add(page)
+        self._check_windows(self._live.values())
         assert len(seen) + pool.free_count == pool.total, (
             f"{pool.total - pool.free_count - len(seen)} pages leaked (held by no live sequence)"
         )

@@ -60,10 +60,10 @@ class TriePagedAttentionCache(BasePagedAttentionCache):
     shares_prefixes = True
 
     def __init__(self, page_pool: PagePool, block_seq_stride: int, host: HostKvTier | None = None,
-                 events: KvEventLog | None = None):
+                 events: KvEventLog | None = None, lazy_windows: bool = False):
         """`host`: the host tier below the device's pages; `events`: where the pages it stores
-        and drops are told, for cache-aware routers."""
-        super().__init__(page_pool, block_seq_stride)
+        and drops are told, for cache-aware routers; `lazy_windows`: as the base class says."""
+        super().__init__(page_pool, block_seq_stride, lazy_windows)
         self.host = host
         self.root = TrieNode(key=(), page=0, parent=None)
         self._clock = 0
@@ -103,15 +103,24 @@ class TriePagedAttentionCache(BasePagedAttentionCache):
             if node is None:
                 break
             (restoring if node.page == 0 else matched).append(node)
+        if self.windowed is not None:  # no host tier here: every node matched is on the device
+            matched = matched[: self._servable(matched)]
 
-        # Reference the matched path (and what it restores) before evicting, so eviction cannot take it.
+        # Reference the matched path (and what it restores) before evicting, so eviction cannot take it,
+        # and watch the pages in the first query's window, so that a fresh page cannot take their place.
         self._reference(matched)
+        window_start = 0
+        if self.windowed is not None:  # pages the prefix cache kept whole: nothing to give them
+            window_start = self.window_start_for(len(matched) * stride)
+            assert self.windowed.watch([node.page for node in matched[window_start:]])
         now = self._tick()
         for node in restoring:
             node.ref_count += 1
             node.last_access = now
         pages = self._acquire_private(self.pages_for(len(tokens) + extra_token_slots) - len(matched))
         if pages is None:
+            if self.windowed is not None:
+                self.windowed.unwatch([node.page for node in matched[window_start:]])
             self._unreference(matched)
             for node in restoring:
                 node.ref_count -= 1
@@ -123,16 +132,31 @@ class TriePagedAttentionCache(BasePagedAttentionCache):
         private_pages = pages[len(restoring) :]
 
         cached_tokens = (len(matched) + len(restoring)) * stride
-        self._hit_tokens += len(matched) * stride
-        self._host_hit_tokens += (len(restoring) - from_disk) * stride
-        self._disk_hit_tokens += from_disk * stride
         allocation = PageAllocation(
             pages=[node.page for node in matched + restoring] + private_pages,
             cached_tokens=cached_tokens,
             handle=_TrieHandle(nodes=matched + restoring),
+            window_start=window_start,
+            window_end=len(matched) if self.windowed is not None else 0,
         )
         self._live[id(allocation)] = allocation
+        if (self.windowed is not None and not self.lazy_windows
+                and not self._open_window(allocation, len(allocation.pages))):
+            self.free_cache_pages(allocation)
+            return None
+        self._hit_tokens += len(matched) * stride
+        self._host_hit_tokens += (len(restoring) - from_disk) * stride
+        self._disk_hit_tokens += from_disk * stride
         return allocation
+
+    def _servable(self, matched: list[TrieNode]) -> int:
+        """How many of the matched nodes a prompt may start after: as many as leave every page its
+        first query may see in a sliding layer still holding that layer's K/V."""
+        pool, hit = self.windowed, len(matched)
+        while hit and not all(pool.has_window(node.page) for node in matched[self.window_start_for(
+                hit * self.block_seq_stride) : hit]):
+            hit -= 1
+        return hit
 
     def _restore(self, node: TrieNode, page: int) -> None:
         """A host-only node gets back a device page (fresh, its one reference the trie's) and
@@ -181,6 +205,7 @@ class TriePagedAttentionCache(BasePagedAttentionCache):
     def free_cache_pages(self, allocation: PageAllocation) -> None:
         if allocation.released:
             return
+        self._leave_window(allocation)
         allocation.released = True
         del self._live[id(allocation)]
         path = allocation.handle.nodes
@@ -261,13 +286,24 @@ class TriePagedAttentionCache(BasePagedAttentionCache):
             self._push_host(node)
         self.page_pool.release([node.page for node in path])
 
+    def _make_room(self) -> bool:
+        return self._evict(1) > 0
+
+    def _release_private(self, pages: list[int]) -> None:
+        self.page_pool.release(pages)
+        self._private_page_count -= len(pages)
+
     def _acquire_private(self, count: int) -> list[int] | None:
         """`count` fresh pages, evicting cached ones if the free list is short; None if impossible."""
-        shortfall = count - self.page_pool.free_count
+        shortfall = count - self.page_pool.available_count
         if shortfall > self._unreferenced_node_count:
             return None  # evicting everything evictable would not be enough: evict nothing
         if shortfall > 0:
             self._evict(shortfall)
+            # A window pool's evicted page may free less than a fresh page takes (its sliding
+            # layers' pages gone already): evict on while that is so.
+            while self.page_pool.available_count < count and self._evict(1):
+                pass
         pages = self.page_pool.acquire(count)
         if pages is not None:
             self._private_page_count += count
@@ -538,6 +574,7 @@ class TriePagedAttentionCache(BasePagedAttentionCache):
             if node.ref_count == 0 and not node.device_children:
                 assert (id(node), node.last_access) in heap_entries, f"leaf {node.key} is missing from the heap"
 
+        self._check_windows(self._live.values())
         assert self._node_count == len(on_device), "node counter drifted"
         assert self._unreferenced_node_count == unreferenced, "unreferenced counter drifted"
         assert self._private_page_count == private, "private page counter drifted"

@@ -10,11 +10,13 @@ import random
 import numpy as np
 import pytest
 
+from kiln.runtime.config import PageGroups
 from kiln.runtime.kvcache.base import PageAllocation
 from kiln.runtime.kvcache.host_tier import HostKvTier
 from kiln.runtime.kvcache.page_pool import PagePool
 from kiln.runtime.kvcache.plain_cache import PlainPagedAttentionCache
 from kiln.runtime.kvcache.trie_cache import TriePagedAttentionCache
+from kiln.runtime.kvcache.window_pool import WindowPagePool
 
 PAGE_COUNT = 17  # 16 usable: page 0 is reserved
 STRIDE = 4
@@ -352,7 +354,27 @@ def make_host_cache(write_policy: str, slots: int = HOST_SLOTS) -> TriePagedAtte
     return TriePagedAttentionCache(PagePool(PAGE_COUNT), STRIDE, HostKvTier(slots, STRIDE, np.int64, write_policy))
 
 
-@pytest.mark.parametrize("kind", ["plain", "trie", "write_through", "write_back"])
+# A model with sliding layers in small (kvcache/window_pool.py): a global group and two sliding ones,
+# an 8-token window (two pages).
+WINDOW_GROUPS = PageGroups(layers=((1,), (0,), (2,)), sliding=(False, True, True), window=2 * STRIDE)
+
+
+def make_window_cache(kind: str):
+    """The cache over a window pool of the memory of USABLE whole blocks: letting sliding pages go,
+    given as the blocks are about to be written ("windowed") or with their pages ("windowed_plain"),
+    or keeping them below a host tier ("windowed_write_through")."""
+    pool = WindowPagePool.sized(WINDOW_GROUPS, USABLE, STRIDE, 64, release_windows=kind != "windowed_write_through",
+                                step_tokens=8)
+    if kind == "windowed_plain":
+        return PlainPagedAttentionCache(pool, STRIDE)
+    host = None
+    if kind == "windowed_write_through":
+        host = HostKvTier(HOST_SLOTS, STRIDE * WINDOW_GROUPS.count, np.int64, "write_through", rows_of=pool.rows_of)
+    return TriePagedAttentionCache(pool, STRIDE, host, lazy_windows=kind == "windowed")
+
+
+@pytest.mark.parametrize("kind", ["plain", "trie", "write_through", "write_back", "windowed", "windowed_plain",
+                                  "windowed_write_through"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_operations_keep_the_accounting_and_the_contents_right(kind, seed):
     """Random requests over a few shared prefixes, with a model of what each page holds.
@@ -363,11 +385,19 @@ def test_random_operations_keep_the_accounting_and_the_contents_right(kind, seed
     ever writes into pages no one else is using.
     """
     rng = random.Random(seed)
-    cache = make_cache(kind) if kind in ("plain", "trie") else make_host_cache(kind)
+    if kind.startswith("windowed"):
+        cache = make_window_cache(kind)
+    else:
+        cache = make_cache(kind) if kind in ("plain", "trie") else make_host_cache(kind)
     host = getattr(cache, "host", None)
     pool = cache.page_pool
+    windowed = isinstance(pool, WindowPagePool)
     prefixes = [[rng.randrange(6) for _ in range(16)] for _ in range(4 if host else 3)]
-    device = np.full((PAGE_COUNT, STRIDE), -1, dtype=np.int64)  # the token whose K/V each slot holds
+    device = np.full((pool.buffer_pages, STRIDE), -1, dtype=np.int64)  # the token whose K/V each slot holds
+
+    def rows(page: int) -> list[int]:
+        """The buffer's rows holding a page: one per group of a window pool, those it still has."""
+        return [row for row in pool.rows_of(page) if row] if windowed else [page]
     live: list[tuple[PageAllocation, list[int], list[int]]] = []  # (allocation, tokens, [written count])
     expected_hits = 0
 
@@ -376,12 +406,16 @@ def test_random_operations_keep_the_accounting_and_the_contents_right(kind, seed
             host.flush(device)
 
     def write_pending(allocation: PageAllocation, tokens: list[int], written: list[int]) -> None:
+        if not cache.extend_allocation(allocation, len(tokens)):  # as the scheduler does before a call
+            return
         between_steps()
         for position in range(written[0], len(tokens)):
             page = allocation.pages[position // STRIDE]
             assert pool.refcounts[page] == 1, f"write into page {page}, which is shared"
-            device[page, position % STRIDE] = tokens[position]
+            assert not windowed or pool.has_window(page), f"write into page {page}, whose window went"
+            device[rows(page), position % STRIDE] = tokens[position]
         written[0] = len(tokens)
+        cache.advance(allocation, written[0])
 
     for _ in range(2000):
         op = rng.random()
@@ -396,7 +430,10 @@ def test_random_operations_keep_the_accounting_and_the_contents_right(kind, seed
                 assert allocation.cached_tokens % STRIDE == 0 and allocation.cached_tokens < len(tokens)
                 for position in range(allocation.cached_tokens):
                     page = allocation.pages[position // STRIDE]
-                    assert device[page, position % STRIDE] == tokens[position], "a hit served wrong K/V"
+                    assert device[rows(page)[0], position % STRIDE] == tokens[position], "a hit served wrong K/V"
+                if windowed:  # every page the first query may see has its sliding layers' K/V
+                    for page in allocation.pages[allocation.window_start : allocation.cached_tokens // STRIDE]:
+                        assert pool.has_window(page) and (device[rows(page), :] == device[rows(page)[0], :]).all()
                 expected_hits += allocation.cached_tokens
                 live.append((allocation, tokens, [allocation.cached_tokens]))
         elif op < 0.65:  # one model step: write what is pending, then sample a token
@@ -426,7 +463,7 @@ def test_random_operations_keep_the_accounting_and_the_contents_right(kind, seed
         assert cache.stats().host_hit_tokens > 0, "the host tier never served a page: it tests too little"
         assert host.counters.pages_to_device > 0 and host.counters.bytes_to_host > 0
     cache.check_integrity()
-    assert cache.stats().free == USABLE
+    assert cache.stats().free == pool.total
 
 
 @pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
