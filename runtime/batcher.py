@@ -178,42 +178,67 @@ class Batcher:
 
     async def run(self) -> None:
         while not self._stopping:
-            self._apply_aborts()
-            await self._apply_resets()
-            batch = self.scheduler.schedule()
-            if batch is None and self.kv_tiers is not None and self.kv_tiers.copies_pending:
-                await self.copy_pages()  # idle: make the copies now rather than before the next step
-                continue
-            if batch is None:
-                self._wake.clear()
-                if not self._pending_aborts:
-                    await self._wake.wait()
-                continue
-            for mode in self._mode_order:
-                batch = await mode.prepare(batch)
-            if self.device_sampling is not None:
-                batch = self.device_sampling.plan(batch, self.scheduler.sequences_of(batch))
-            if self.kv_tiers is not None and self.kv_tiers.copies_pending:
-                # Pages restored for this batch must hold their K/V before it runs; pages evicted
-                # while scheduling it are read before anyone writes them.
-                await self.copy_pages()
             try:
-                logits = await self._executors.get(batch.phase, self.executor).run(batch)
-            except InvocationError as error:
-                log.error("batch of %d failed: %s", batch.rows, error)
-                self.counters.failed_batches += 1
-                self._end(self.scheduler.sequences_of(batch), "error", str(error))
-                continue
-            try:
-                self.update(batch, logits)
-            except Exception as error:  # never let one bad row stop every request
-                log.exception("applying a step's results failed")
-                self._end(self.scheduler.sequences_of(batch), "error", f"internal error: {error}")
-            # Let request handlers run between steps even when the device is fast.
-            await asyncio.sleep(0)
+                await self._step()
+            except Exception as error:  # a fault outside a model call must not leave requests waiting forever
+                log.exception("a step failed outside its model call")
+                self._fail_in_flight(f"internal error: {error}")
+                await asyncio.sleep(0)  # the failed requests' handlers answer before the next step
         for done in self._pending_resets:  # stopped first: nothing was dropped
             if not done.done():
                 done.set_result(0)
+
+    async def _step(self) -> None:
+        """Schedule one batch, run it and take its results (or wait for work)."""
+        self._apply_aborts()
+        await self._apply_resets()
+        batch = self.scheduler.schedule()
+        if batch is None and self.kv_tiers is not None and self.kv_tiers.copies_pending:
+            await self.copy_pages()  # idle: make the copies now rather than before the next step
+            return
+        if batch is None:
+            self._wake.clear()
+            if not self._pending_aborts:
+                await self._wake.wait()
+            return
+        for mode in self._mode_order:
+            batch = await mode.prepare(batch)
+        if self.device_sampling is not None:
+            batch = self.device_sampling.plan(batch, self.scheduler.sequences_of(batch))
+        if self.kv_tiers is not None and self.kv_tiers.copies_pending:
+            # Pages restored for this batch must hold their K/V before it runs; pages evicted
+            # while scheduling it are read before anyone writes them.
+            await self.copy_pages()
+        try:
+            logits = await self._executors.get(batch.phase, self.executor).run(batch)
+        except InvocationError as error:
+            log.error("batch of %d failed: %s", batch.rows, error)
+            self.counters.failed_batches += 1
+            self._end(self.scheduler.sequences_of(batch), "error", str(error))
+            return
+        try:
+            self.update(batch, logits)
+        except Exception as error:  # never let one bad row stop every request
+            log.exception("applying a step's results failed")
+            self._end(self.scheduler.sequences_of(batch), "error", f"internal error: {error}")
+        # Let request handlers run between steps even when the device is fast.
+        await asyncio.sleep(0)
+
+    def _fail_in_flight(self, error: str) -> None:
+        """Every request in flight ends with `error`, and the prefix cache lets go of what it
+        kept: after a fault in scheduling or a page copy, what the cache holds is not to be trusted."""
+        self.counters.failed_batches += 1
+        try:
+            self._end([seq for request in list(self.requests.values()) for seq in request.sequences], "error", error)
+            self.scheduler.cache.clear_unreferenced()
+        except Exception:
+            log.exception("ending the requests in flight failed as well: their last events are sent as they stand")
+            for request in list(self.requests.values()):
+                for seq in request.sequences:
+                    if seq.state is not SequenceState.FINISHED:
+                        seq.state = SequenceState.FINISHED
+                        self.outputs.finish(seq, "error", error)
+            self.requests.clear()
 
     async def copy_pages(self) -> None:
         """The host tier's waiting copies, made between steps; then what went to the host is

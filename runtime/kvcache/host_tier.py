@@ -43,10 +43,11 @@ class HostKvTier:
         self.storage = np.zeros((slot_count, page_elems), dtype=dtype)
         self.page_bytes = page_elems * np.dtype(dtype).itemsize
         self._free: deque[int] = deque(range(slot_count))
-        self._rows_of = rows_of or (lambda page: [page])
-        self._to_host: list[tuple[list[int], int, object]] = []  # (device rows, slot, owner) waiting for flush
+        self._rows_of = rows_of or (lambda page: page)
+        # (device page or rows, slot, owner) waiting for flush
+        self._to_host: list[tuple[int | list[int], int, object]] = []
         self._fills: list[tuple[int, np.ndarray]] = []  # (slot, K/V read from disk)
-        self._to_device: list[tuple[int, list[int]]] = []  # (slot, device rows)
+        self._to_device: list[tuple[int, int | list[int]]] = []  # (slot, device page or rows)
         self.counters = TransferCounters()
 
     @property
@@ -89,12 +90,17 @@ class HostKvTier:
         to_host, self._to_host = self._to_host, []
         fills, self._fills = self._fills, []
         to_device, self._to_device = self._to_device, []
+        # A page is one row of `device_pages` (which may be a multi-device program's joined view,
+        # devices.ShardedPageView, indexed by one page at a time) or, with `rows_of`, several.
         for rows, slot, _ in to_host:
-            self.storage[slot] = device_pages[rows].reshape(-1)
+            self.storage[slot] = device_pages[rows] if isinstance(rows, int) else device_pages[rows].reshape(-1)
         for slot, data in fills:
             self.storage[slot] = data
         for slot, rows in to_device:
-            device_pages[rows] = self.storage[slot].reshape(len(rows), -1)
+            if isinstance(rows, int):
+                device_pages[rows] = self.storage[slot]
+            else:
+                device_pages[rows] = self.storage[slot].reshape(len(rows), -1)
         counters = self.counters
         counters.pages_to_host += len(to_host)
         counters.pages_to_device += len(to_device)

@@ -165,6 +165,33 @@ def test_abort_mid_stream_returns_every_page(fake_model_dir):
     run(scenario())
 
 
+def test_a_fault_outside_a_model_call_ends_the_requests_in_flight_and_serving_goes_on(fake_model_dir, monkeypatch):
+    """The scheduler raising mid-stream (a bug, a failed page copy): the requests in flight end with
+    an error rather than waiting forever, every page comes back, and the next request is served."""
+    async def scenario():
+        service = await started(fake_model_dir)
+        scheduler = service.batcher.scheduler
+        schedule, calls = scheduler.schedule, []
+
+        def faulty():
+            calls.append(1)
+            if len(calls) == 4:
+                raise RuntimeError("scheduling went wrong")
+            return schedule()
+
+        monkeypatch.setattr(scheduler, "schedule", faulty)
+        params = dataclasses.replace(GREEDY, max_tokens=50)
+        first, second = await asyncio.wait_for(asyncio.gather(collect(service, prompt(20, 1), params),
+                                                              collect(service, prompt(30, 2), params)), 30)
+        assert first[0]["finish"] == second[0]["finish"] == "error"
+        await settle(service)
+        [after] = await asyncio.wait_for(collect(service, prompt(20, 1), params), 30)
+        assert after["finish"] == "length" and len(after["ids"]) == 50
+        await service.stop()
+
+    run(scenario())
+
+
 def test_bad_requests_and_a_full_queue_are_typed_errors(fake_model_dir):
     async def scenario():
         service = await started(fake_model_dir, max_queue=1)
