@@ -112,7 +112,8 @@ class TriePagedAttentionCache(BasePagedAttentionCache):
         window_start = 0
         if self.windowed is not None:  # pages the prefix cache kept whole: nothing to give them
             window_start = self.window_start_for(len(matched) * stride)
-            assert self.windowed.watch([node.page for node in matched[window_start:]])
+            watched = self.windowed.watch([node.page for node in matched[window_start:]])
+            assert watched, "a servable prefix's window lost its pages"
         now = self._tick()
         for node in restoring:
             node.ref_count += 1

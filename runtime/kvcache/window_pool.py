@@ -40,7 +40,10 @@ class WindowPagePool(PagePool):
     pages, each logical page backed by one per group (`page_map`); `buffer` holds the physical ones."""
 
     def __init__(self, groups: PageGroups, physical_count: int, logical_count: int,
-                 allocate_buffer: Callable[[int], Any] | None = None, release_windows: bool = True):
+                 allocate_buffer: Callable[[int], Any] | None = None, release_windows: bool = True,
+                 window_blocks: int | None = None):
+        """`window_blocks`: the most blocks a sequence watches at once (`sized` works it out); None:
+        as many as it holds, so that `sequence_capacity` assumes every group's page of each."""
         super().__init__(logical_count)
         self.groups = groups
         self.release_windows = release_windows
@@ -49,7 +52,7 @@ class WindowPagePool(PagePool):
         self.page_map = np.zeros((logical_count, groups.count), np.int64)
         self._sliding = [group for group, sliding in enumerate(groups.sliding) if sliding]
         self.watchers = [0] * logical_count
-        self.window_blocks = logical_count  # set by `sized`: the blocks a sequence watches at once
+        self.window_blocks = window_blocks or logical_count
         # Pages nothing watches whose sliding groups' pages are kept as cache: least recently left first.
         self._unwatched: OrderedDict[int, None] = OrderedDict()
 
@@ -70,9 +73,7 @@ class WindowPagePool(PagePool):
             logical = physical // global_groups
         else:
             logical = blocks * max(1, -(-max_seq_len // (window_blocks * block_seq_stride)))
-        pool = cls(groups, physical + 1, logical + 1, allocate_buffer, release_windows)
-        pool.window_blocks = window_blocks
-        return pool
+        return cls(groups, physical + 1, logical + 1, allocate_buffer, release_windows, window_blocks)
 
     @property
     def buffer_pages(self) -> int:
@@ -179,12 +180,12 @@ class WindowPagePool(PagePool):
     def check_integrity(self) -> None:
         super().check_integrity()
         self.physical.check_integrity()
+        global_groups = [g for g in range(self.groups.count) if g not in self._sliding]
         backing = self.page_map[self.page_map != 0]
         assert len(set(backing.tolist())) == len(backing), "a physical page backs two pages"
         assert len(backing) + self.physical.free_count == self.physical.total, "a physical page is held by nobody"
         for page in range(1, self.page_count):
             held, row = self.refcounts[page] > 0, self.page_map[page]
-            global_groups = [g for g in range(self.groups.count) if g not in self._sliding]
             assert (row[global_groups] != 0).all() if held else not row.any(), f"page {page}: map {row}, held={held}"
             assert held or not self.watchers[page], f"free page {page} is watched"
             if self.watchers[page]:

@@ -17,7 +17,7 @@ GROUPS = PageGroups(layers=((5,), (0,), (1,)), sliding=(False, True, True), wind
 
 
 def pool(physical: int = 400, release: bool = True) -> WindowPagePool:
-    return WindowPagePool(GROUPS, physical, physical // 1 + 1, release_windows=release)
+    return WindowPagePool(GROUPS, physical, physical + 1, release_windows=release)  # one global group: a page each
 
 
 def cache_of(kind, pool: WindowPagePool, lazy: bool = False):
