@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -117,6 +118,29 @@ def referee(path: Path, rows: list[dict], here: Path) -> None:
         row["float32_margin_nats"] = abs(margin)
 
 
+def speed_ratios(kiln: dict, theirs: dict) -> dict:
+    """Kiln's speed over llama.cpp's for each figure both report (above 1: Kiln faster); a time
+    in ms is inverted, a rate in tok/s is not."""
+    ratios = {}
+    for key, ours in kiln.items():
+        if key.startswith(("prefill_", "decode_")) and isinstance(ours, (int, float)) and theirs.get(key):
+            ratios[key] = round(theirs[key] / ours if key.endswith("_ms") else ours / theirs[key], 3)
+    return ratios
+
+
+def median_of_rounds(rounds: list[dict]) -> dict:
+    """Each engine's median figure over the rounds (peak memory: the largest), the median of each
+    round's speed ratio, and the rounds themselves."""
+    out: dict = {"rounds": rounds}
+    for name in ("kiln", "llama.cpp"):
+        runs = [r[name] for r in rounds]
+        out[name] = {key: (max if key == "peak_rss_mib" else statistics.median)(run[key] for run in runs)
+                     for key, value in runs[0].items() if isinstance(value, (int, float))}
+    keys = rounds[0]["speed_ratios"]
+    out["speed_ratios"] = {key: statistics.median(r["speed_ratios"][key] for r in rounds) for key in keys}
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gemma-3-270m",
@@ -126,6 +150,8 @@ def main() -> int:
     parser.add_argument("--greedy-only", action="store_true", help="leave out the timings")
     parser.add_argument("--chat", action="store_true", help="greedy replies to user messages in the chat template")
     parser.add_argument("--artifacts", type=Path, help="the file's build (`kiln build --output-dir`), not built here")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="timing rounds, the engines' order alternating (default: 1); medians are reported")
     parser.add_argument("--kiln-greedy", type=Path, help=argparse.SUPPRESS)  # the children's parts
     parser.add_argument("--float32-preference", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -159,15 +185,22 @@ def main() -> int:
         referee(path, result["greedy"], here)
         if not args.greedy_only:
             started = time.monotonic()
-            figures, rss = run_measured([sys.executable, "-m", "benchmarks.kiln_offline", "--measure",
-                                         str(artifacts)], here)
-            result["kiln"] = {**figures, "peak_rss_mib": round(rss, 1)}
-            figures, rss = run_measured([str(py), bench, "offline", str(path)])
-            result["llama.cpp"] = {**figures, "peak_rss_mib": round(rss, 1), "llama_cpp_python": llamacpp.VERSION}
+            measure = {"kiln": [sys.executable, "-m", "benchmarks.kiln_offline", "--measure", str(artifacts)],
+                       "llama.cpp": [str(py), bench, "offline", str(path)]}
+            rounds = []
+            for index in range(args.rounds):
+                order = list(measure) if index % 2 == 0 else list(measure)[::-1]
+                timed = {}
+                for name in order:
+                    figures, rss = run_measured(measure[name], here)
+                    timed[name] = {**figures, "peak_rss_mib": round(rss, 1)}
+                rounds.append({"order": order, **timed, "speed_ratios": speed_ratios(timed["kiln"], timed["llama.cpp"])})
+            result |= median_of_rounds(rounds)
+            result["llama.cpp"]["llama_cpp_python"] = llamacpp.VERSION
             log(f"timed both in {time.monotonic() - started:.0f} s")
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "greedy"} | {
+    print(json.dumps({k: v for k, v in result.items() if k not in ("greedy", "rounds")} | {
         "greedy": [{k: v for k, v in row.items() if k not in ("kiln", "llama.cpp", "prompt_ids")}
                    for row in result["greedy"]]}, indent=2))
     return 0

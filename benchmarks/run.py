@@ -53,9 +53,11 @@ def _serving(proc: subprocess.Popen, port: int, backend: str):
         stop_process(proc)
 
 
-def kiln_server(dtype: str = "float32", prefix_sharing: str = "trie", quantize: str = "none"):
-    """`kiln serve` on the artifacts `kiln serve --dtype --quantize` builds by default."""
-    artifacts = kiln_offline.build_artifacts(dtype, quantize)
+def kiln_server(dtype: str = "float32", prefix_sharing: str = "trie", quantize: str = "none",
+                artifacts: Path | None = None):
+    """`kiln serve` on the artifacts `kiln serve --dtype --quantize` builds by default (or on
+    `artifacts`, another model's build)."""
+    artifacts = artifacts or kiln_offline.build_artifacts(dtype, quantize)
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "kiln.cli.main", "serve", "--artifacts", str(artifacts), "--port", str(port),
@@ -65,11 +67,12 @@ def kiln_server(dtype: str = "float32", prefix_sharing: str = "trie", quantize: 
     return _serving(proc, port, "openai")
 
 
-def llamacpp_server(dtype: str = "f32", parallel: int = 16):
+def llamacpp_server(dtype: str = "f32", parallel: int = 16, model: Path | None = None):
+    """llama-server on the bundled model's GGUF of `dtype` (or on the GGUF file `model`)."""
     from benchmarks.peers import llamacpp
 
     port = free_port()
-    return _serving(llamacpp.start_server(dtype, port, parallel=parallel), port, "openai")
+    return _serving(llamacpp.start_server(dtype, port, parallel=parallel, model=model), port, "openai")
 
 
 def shortfin_server():
@@ -257,20 +260,28 @@ def step_paired(results: dict, args) -> None:
 
 
 def _paired_rounds(names: list[str], args) -> list[dict]:
+    return paired_rounds({name: SERVERS[name] for name in names}, args.paired_rounds, _tokenizer_for_loadgen(),
+                         int(32 * args.scale))
+
+
+def paired_rounds(servers: dict, rounds_wanted: int, tokenizer: Path, requests: int,
+                  concurrency: int = PAIRED_CONCURRENCY) -> list[dict]:
+    """`servers` (name: a function starting one, two of them) in alternating rounds on the
+    `random` workload of `requests` requests at `concurrency`, each round's prompts new."""
     from benchmarks import loadgen
 
-    tokenizer = _tokenizer_for_loadgen()
+    names = list(servers)
     rounds = []
-    for index in range(args.paired_rounds):
+    for index in range(rounds_wanted):
         order = names if index % 2 == 0 else names[::-1]
         # A seed per round: each server process is new, but the prompts must not repeat.
-        workload = loadgen.make_workload("random", tokenizer, num_requests=int(32 * args.scale), seed=300 + index)
+        workload = loadgen.make_workload("random", tokenizer, num_requests=requests, seed=300 + index)
         figures = {}
         for name in order:
-            log(f"paired c=16: {name} (round {index + 1} of {args.paired_rounds})")
+            log(f"paired c={concurrency}: {name} (round {index + 1} of {rounds_wanted})")
             try:
-                with SERVERS[name]() as (backend, url):
-                    figures[name] = loadgen.run(backend, url, workload, concurrency=PAIRED_CONCURRENCY)
+                with servers[name]() as (backend, url):
+                    figures[name] = loadgen.run(backend, url, workload, concurrency=concurrency)
                 _say(name, figures[name])
             except Exception:  # one engine failing must not lose the other's figures
                 figures[name] = {"error": traceback.format_exc(limit=3)}
@@ -279,7 +290,7 @@ def _paired_rounds(names: list[str], args) -> list[dict]:
     return rounds
 
 
-def paired_summary(names: list[str], rounds: list[dict]) -> dict:
+def paired_summary(names: list[str], rounds: list[dict], concurrency: int = PAIRED_CONCURRENCY) -> dict:
     """Per-round figures and the ratio of the first engine to the second in each round
     where both completed requests; the median ratio is the one to quote."""
     ratios = []
@@ -289,7 +300,7 @@ def paired_summary(names: list[str], rounds: list[dict]) -> dict:
         entry["ratio"] = a["output_throughput"] / b["output_throughput"] if ok else None
         if ok:
             ratios.append(entry["ratio"])
-    return {"engines": names, "concurrency": PAIRED_CONCURRENCY, "rounds": rounds,
+    return {"engines": names, "concurrency": concurrency, "rounds": rounds,
             "median_ratio": statistics.median(ratios) if ratios else None, "paired_rounds": len(ratios)}
 
 

@@ -34,6 +34,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def sequence_length(text: str) -> int:
+    """A --max-model-len: whole pages of the default build's 16 tokens."""
+    value = positive_int(text)
+    if value % 16:
+        raise argparse.ArgumentTypeError(f"expected a multiple of 16 (the build's tokens per KV page), got {value}")
+    return value
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model (default: the bundled SmolLM2-135M-Instruct, built on first use)")
     group.add_argument("--artifacts", type=Path, help="a directory from `kiln build` / `kiln export-model` + compile")
@@ -57,6 +65,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        "blocks as stored (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K); auto (default): a GGUF's or "
                        "BF16 checkpoint's weights as stored where Kiln reads them, float32 otherwise (the bundled "
                        "model: its Q4_1)")
+    group.add_argument("--max-model-len", "--max-seq-len", dest="max_model_len", type=sequence_length, default=None,
+                       metavar="TOKENS",
+                       help="with --model or the default model: the longest sequence (prompt and output) the build "
+                       "serves, a multiple of 16 (default: 4096)")
     group.add_argument("--tensor-parallel", "--tensor-parallel-size", type=positive_int, default=1,
                        help="with --model or the default model: shard each layer over this many devices")
     group.add_argument("--pipeline-parallel", "--pipeline-parallel-size", type=positive_int, default=1,
@@ -129,6 +141,10 @@ def resolve_artifacts(args, log=lambda line: print(line, file=sys.stderr, flush=
     options = default_build_options(args.dtype, args.kv_cache_dtype, args.tensor_parallel, args.pipeline_parallel,
                                     quantize=args.quantize, cpu_kernels=cpu_kernels)
     options = replace(options, embedding_functions=args.embeddings)
+    if args.max_model_len:
+        # The default cache holds at least one sequence of that length.
+        pages = max(options.device_block_count, -(-args.max_model_len // options.block_seq_stride))
+        options = replace(options, max_seq_len=args.max_model_len, device_block_count=pages)
     if args.enable_lora or getattr(args, "lora", None):
         modules = tuple(m.strip() for m in args.lora_target_modules.split(",") if m.strip())
         options = replace(options, lora_slots=args.max_loras, lora_rank=args.max_lora_rank, lora_modules=modules)

@@ -337,7 +337,10 @@ def read_chat_template(value: str | None) -> str | None:
 
 
 def run_serve(args) -> int:
+    from kiln.runtime.program import quiet_exit
     from kiln.server.main import serve
+
+    quiet_exit()
 
     if args.model is not None:
         from kiln.models.packaged import resolve_model_path

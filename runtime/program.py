@@ -19,6 +19,16 @@ from .errors import ModelLoadError
 from .parameters import ParameterArchive, resolved
 
 
+def quiet_exit() -> None:
+    """Let a process that holds its programs until it ends exit without nanobind listing every IREE
+    object still alive then as "leaked" (a `kiln serve` stopped by Ctrl-C: some 140 lines). The
+    process's end frees them; the check is for the bindings' own developers."""
+    from iree._runtime_libs import _runtime
+
+    if hasattr(_runtime, "disable_leak_checker"):
+        _runtime.disable_leak_checker()
+
+
 class Program:
     """The compiled functions of one model on its device (or devices: a tensor/pipeline-parallel
     export's, runtime/device_layout.py), its config and what it can do."""

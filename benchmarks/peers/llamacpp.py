@@ -152,14 +152,15 @@ def batched_bench(dtype: str = "f32", npp: int = 128, ntg: int = 128, npl: str =
 
 
 def start_server(dtype: str, port: int, parallel: int = 16, ctx_per_slot: int = SLOT_CTX,
-                 log_file: Path | None = None) -> subprocess.Popen:
+                 log_file: Path | None = None, model: Path | None = None) -> subprocess.Popen:
     """Start `llama-server` on 127.0.0.1:`port` with `parallel` slots (continuous batching,
-    2 threads). The caller waits for /health and terminates it."""
+    2 threads) over the bundled model's GGUF of `dtype`, or the GGUF file `model`. The caller
+    waits for /health and terminates it."""
     setup()
-    cmd = [str(binary("llama-server")), "-m", str(gguf(dtype)),
+    cmd = [str(binary("llama-server")), "-m", str(model or gguf(dtype)),
            "--host", "127.0.0.1", "--port", str(port), "-t", "2", "-tb", "2",
            "--parallel", str(parallel), "-c", str(parallel * ctx_per_slot), "--cont-batching",
-           "--no-webui", "--alias", "SmolLM2-135M-Instruct"]
+           "--no-webui", "--alias", model.stem if model else "SmolLM2-135M-Instruct"]
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
 

@@ -96,6 +96,21 @@ def test_embeddings_and_pooling_reach_the_build_and_the_engine(monkeypatch, tmp_
     assert parser.parse_args(["serve"]).pooling is None
 
 
+def test_the_longest_sequence_reaches_the_build_with_a_cache_that_holds_one(monkeypatch, tmp_path):
+    import kiln.export.build as build_module
+    from kiln.cli.model_args import resolve_artifacts
+
+    built = []
+    monkeypatch.setattr(build_module, "build", lambda model, options, targets, log: built.append(options) or tmp_path)
+    parser = build_parser()
+    for argv in (["serve"], ["serve", "--max-model-len", "2048"], ["serve", "--max-seq-len", "32768"]):
+        resolve_artifacts(parser.parse_args(argv), log=lambda line: None)
+    assert [(o.max_seq_len, o.device_block_count) for o in built] == [(4096, 1024), (2048, 1024), (32768, 2048)]
+    for bad in ("0", "1000"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--max-model-len", bad])
+
+
 @pytest.mark.parametrize("argv,fields", [
     ([], {"page_count": 0, "memory_budget_bytes": 0, "memory_fraction": 0.0}),
     (["--kv-cache-pages", "40"], {"page_count": 40, "memory_budget_bytes": 0, "memory_fraction": 0.0}),
