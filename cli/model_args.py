@@ -115,6 +115,9 @@ def resolve_artifacts(args, log=lambda line: print(line, file=sys.stderr, flush=
     from kiln.runtime.contract import Artifacts, device_target
 
     explicit = [args.vmfb, args.params, args.config]
+    if getattr(args, "max_model_len", None) and (any(explicit) or args.artifacts):
+        raise ModelChoiceError("--max-model-len sets the length a model is built for (with --model or the default "
+                               "model); a built model serves its build's (kiln build --max-seq-len)")
     if any(explicit):
         if not all(explicit):
             raise ModelChoiceError("--vmfb, --params and --config go together")

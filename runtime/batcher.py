@@ -238,7 +238,7 @@ class Batcher:
                     if seq.state is not SequenceState.FINISHED:
                         seq.state = SequenceState.FINISHED
                         self.outputs.finish(seq, "error", error)
-            self.requests.clear()
+                self._forget_if_done(request)
 
     async def copy_pages(self) -> None:
         """The host tier's waiting copies, made between steps; then what went to the host is

@@ -98,7 +98,7 @@ def test_embeddings_and_pooling_reach_the_build_and_the_engine(monkeypatch, tmp_
 
 def test_the_longest_sequence_reaches_the_build_with_a_cache_that_holds_one(monkeypatch, tmp_path):
     import kiln.export.build as build_module
-    from kiln.cli.model_args import resolve_artifacts
+    from kiln.cli.model_args import ModelChoiceError, resolve_artifacts
 
     built = []
     monkeypatch.setattr(build_module, "build", lambda model, options, targets, log: built.append(options) or tmp_path)
@@ -109,6 +109,8 @@ def test_the_longest_sequence_reaches_the_build_with_a_cache_that_holds_one(monk
     for bad in ("0", "1000"):
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", "--max-model-len", bad])
+    with pytest.raises(ModelChoiceError, match="--max-model-len sets the length a model is built for"):
+        resolve_artifacts(parser.parse_args(["serve", "--artifacts", str(tmp_path), "--max-model-len", "2048"]))
 
 
 @pytest.mark.parametrize("argv,fields", [

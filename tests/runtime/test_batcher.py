@@ -192,6 +192,33 @@ def test_a_fault_outside_a_model_call_ends_the_requests_in_flight_and_serving_go
     run(scenario())
 
 
+def test_requests_in_flight_end_even_when_ending_them_fails_too(fake_model_dir, monkeypatch):
+    """The scheduler raising, and then again as the requests are ended (its state is what went
+    wrong): their last events still go out, with the error, rather than leaving them waiting."""
+    async def scenario():
+        service = await started(fake_model_dir)
+        scheduler = service.batcher.scheduler
+        schedule, calls = scheduler.schedule, []
+
+        def faulty():
+            calls.append(1)
+            if len(calls) == 4:
+                monkeypatch.setattr(scheduler, "finish", lambda seq, reason: (_ for _ in ()).throw(
+                    RuntimeError("finishing went wrong")))
+                raise RuntimeError("scheduling went wrong")
+            return schedule()
+
+        monkeypatch.setattr(scheduler, "schedule", faulty)
+        params = dataclasses.replace(GREEDY, max_tokens=50)
+        first, second = await asyncio.wait_for(asyncio.gather(collect(service, prompt(20, 1), params),
+                                                              collect(service, prompt(30, 2), params)), 30)
+        assert first[0]["finish"] == second[0]["finish"] == "error"
+        assert not service.batcher.requests
+        await service.stop()
+
+    run(scenario())
+
+
 def test_bad_requests_and_a_full_queue_are_typed_errors(fake_model_dir):
     async def scenario():
         service = await started(fake_model_dir, max_queue=1)
