@@ -165,27 +165,34 @@ def test_abort_mid_stream_returns_every_page(fake_model_dir):
     run(scenario())
 
 
+async def two_requests_through_a_failing_step(service, monkeypatch, also=lambda scheduler: None) -> list:
+    """Two 50-token requests whose fourth scheduling raises (after `also(scheduler)` has broken
+    more), each one's events, within a timeout."""
+    scheduler = service.batcher.scheduler
+    schedule, calls = scheduler.schedule, []
+
+    def faulty():
+        calls.append(1)
+        if len(calls) == 4:
+            also(scheduler)
+            raise RuntimeError("scheduling went wrong")
+        return schedule()
+
+    monkeypatch.setattr(scheduler, "schedule", faulty)
+    params = dataclasses.replace(GREEDY, max_tokens=50)
+    return await asyncio.wait_for(asyncio.gather(collect(service, prompt(20, 1), params),
+                                                 collect(service, prompt(30, 2), params)), 30)
+
+
 def test_a_fault_outside_a_model_call_ends_the_requests_in_flight_and_serving_goes_on(fake_model_dir, monkeypatch):
     """The scheduler raising mid-stream (a bug, a failed page copy): the requests in flight end with
     an error rather than waiting forever, every page comes back, and the next request is served."""
     async def scenario():
         service = await started(fake_model_dir)
-        scheduler = service.batcher.scheduler
-        schedule, calls = scheduler.schedule, []
-
-        def faulty():
-            calls.append(1)
-            if len(calls) == 4:
-                raise RuntimeError("scheduling went wrong")
-            return schedule()
-
-        monkeypatch.setattr(scheduler, "schedule", faulty)
-        params = dataclasses.replace(GREEDY, max_tokens=50)
-        first, second = await asyncio.wait_for(asyncio.gather(collect(service, prompt(20, 1), params),
-                                                              collect(service, prompt(30, 2), params)), 30)
+        first, second = await two_requests_through_a_failing_step(service, monkeypatch)
         assert first[0]["finish"] == second[0]["finish"] == "error"
         await settle(service)
-        [after] = await asyncio.wait_for(collect(service, prompt(20, 1), params), 30)
+        [after] = await asyncio.wait_for(collect(service, prompt(20, 1), dataclasses.replace(GREEDY, max_tokens=50)), 30)
         assert after["finish"] == "length" and len(after["ids"]) == 50
         await service.stop()
 
@@ -195,23 +202,13 @@ def test_a_fault_outside_a_model_call_ends_the_requests_in_flight_and_serving_go
 def test_requests_in_flight_end_even_when_ending_them_fails_too(fake_model_dir, monkeypatch):
     """The scheduler raising, and then again as the requests are ended (its state is what went
     wrong): their last events still go out, with the error, rather than leaving them waiting."""
+    def failing_finish(seq, reason):
+        raise RuntimeError("finishing went wrong")
+
     async def scenario():
         service = await started(fake_model_dir)
-        scheduler = service.batcher.scheduler
-        schedule, calls = scheduler.schedule, []
-
-        def faulty():
-            calls.append(1)
-            if len(calls) == 4:
-                monkeypatch.setattr(scheduler, "finish", lambda seq, reason: (_ for _ in ()).throw(
-                    RuntimeError("finishing went wrong")))
-                raise RuntimeError("scheduling went wrong")
-            return schedule()
-
-        monkeypatch.setattr(scheduler, "schedule", faulty)
-        params = dataclasses.replace(GREEDY, max_tokens=50)
-        first, second = await asyncio.wait_for(asyncio.gather(collect(service, prompt(20, 1), params),
-                                                              collect(service, prompt(30, 2), params)), 30)
+        first, second = await two_requests_through_a_failing_step(
+            service, monkeypatch, also=lambda scheduler: monkeypatch.setattr(scheduler, "finish", failing_finish))
         assert first[0]["finish"] == second[0]["finish"] == "error"
         assert not service.batcher.requests
         await service.stop()
