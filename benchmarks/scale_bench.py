@@ -2,11 +2,14 @@
 on the same file.
 
     python -m benchmarks.scale_bench --model FILE
-    python -m benchmarks.scale_bench --synthetic llama-3.1-8b [--type Q4_0] [--dir DIR]
+    python -m benchmarks.scale_bench --synthetic llama-3.1-8b [--type Q4_0|Q8_0|BF16] [--dir DIR]
     python -m benchmarks.scale_bench --first-serve [--model FILE]
 
 With `--synthetic`, the file is first written with that model's shapes and random weights
-(benchmarks/synthetic_gguf.py). Then, each in a process of its own, one after the other:
+(benchmarks/synthetic_gguf.py); with `--type BF16`, a Hugging Face directory of bf16 safetensors
+(benchmarks/synthetic_hf.py), which Kiln builds from, and for llama.cpp, which reads GGUFs only, a
+BF16 GGUF of the same shapes and random values (written once Kiln's build is measured, its build
+removed first if the disk lacks room for both). Then, each in a process of its own, one after the other:
 - the export `kiln serve --model FILE` makes (its default build options), then its compile for this
   CPU: wall time and the peak resident memory of the process tree (and the anonymous part of it,
   the rest being the file's pages the system may drop), against 1.5 x the file;
@@ -19,7 +22,8 @@ Figures go to results/scale-<file stem>-<date>.json.
 
 `--first-serve` measures a new user's first `kiln serve [--model FILE]` instead (the bundled model
 without --model), with a cache directory of its own and empty: seconds until /health answers 200,
-the build included, and the peak resident memory of the server's process tree meanwhile.
+the build included, and the peak resident memory of the server's process tree meanwhile (resident,
+anonymous, proportional), and the proportional peak of the build's processes alone.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -95,6 +100,11 @@ def run_watched(argv: list[str]) -> dict:
     return {"seconds": round(time.monotonic() - started, 1), "peak_rss_mib": round(peak_rss),
             "peak_anon_mib": round(peak_anon), "peak_pss_mib": round(peak_pss),
             "last_line": out.strip().splitlines()[-1] if out.strip() else ""}
+
+
+def _bytes(path: Path) -> int:
+    """A file's size, or a directory's files' sizes summed."""
+    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def export_step(model: Path, output: Path) -> dict:
@@ -176,16 +186,20 @@ def first_serve(model: Path | None) -> dict:
             started = time.monotonic()
             server = subprocess.Popen(argv, cwd=HERE, env=os.environ | {"KILN_CACHE_DIR": cache},
                                       stdout=server_log, stderr=subprocess.STDOUT)
-            peak_rss = peak_anon = 0.0
+            peak_rss = peak_anon = peak_pss = build_pss = 0.0
             polled = 0.0
             try:
                 while True:
                     if server.poll() is not None:
                         raise RuntimeError(f"kiln serve exited with {server.returncode}: "
                                            + (Path(cache) / "serve.log").read_text()[-2000:])
-                    figures = [_resident(pid) for pid in _tree(server.pid)]
+                    tree = _tree(server.pid)
+                    figures = [_resident(pid) for pid in tree]
                     peak_rss = max(peak_rss, sum(rss for rss, _ in figures))
                     peak_anon = max(peak_anon, sum(anon for _, anon in figures))
+                    shares = [_proportional(pid) for pid in tree]
+                    peak_pss = max(peak_pss, sum(shares))
+                    build_pss = max(build_pss, sum(shares[1:]))  # the build's processes, the server's own aside
                     if time.monotonic() - polled > 1:
                         polled = time.monotonic()
                         try:
@@ -202,7 +216,8 @@ def first_serve(model: Path | None) -> dict:
         steps = [line.strip() for line in (Path(cache) / "serve.log").read_text().splitlines()
                  if " in " in line and ("wrote" in line or "compiled" in line or "built" in line)]
     return {"model": str(model) if model else "bundled SmolLM2-135M-Instruct", "health_s": round(ready, 1),
-            "peak_rss_mib": round(peak_rss), "peak_anon_mib": round(peak_anon), "steps": steps}
+            "peak_rss_mib": round(peak_rss), "peak_anon_mib": round(peak_anon), "peak_pss_mib": round(peak_pss),
+            "build_peak_pss_mib": round(build_pss), "steps": steps}
 
 
 def main() -> int:
@@ -210,7 +225,8 @@ def main() -> int:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", type=Path, help="a GGUF file")
     source.add_argument("--synthetic", help="write a GGUF of these shapes first (benchmarks/synthetic_gguf.py)")
-    parser.add_argument("--type", default="Q4_0", help="the synthetic file's block type")
+    parser.add_argument("--type", default="Q4_0", choices=("Q4_0", "Q8_0", "BF16"),
+                        help="the synthetic file's weight type (BF16: a Hugging Face directory)")
     parser.add_argument("--dir", type=Path, default=Path("."), help="where the synthetic file goes")
     parser.add_argument("--build-dir", type=Path, help="where the build goes (default: <file stem>-kiln beside it)")
     parser.add_argument("--no-llama-cpp", action="store_true", help="Kiln alone")
@@ -238,19 +254,27 @@ def main() -> int:
     result: dict = {"date": date.today().isoformat(), "cpus": os.cpu_count()}
     with heavy_lock():
         if args.synthetic:
-            from benchmarks import synthetic_gguf
+            from benchmarks import synthetic_gguf, synthetic_hf
 
-            model = args.dir / f"{args.synthetic}-synthetic-{args.type.lower()}.gguf"
+            shapes = synthetic_gguf.SHAPES[args.synthetic]
+            if args.type == "BF16":
+                model = args.dir / f"{args.synthetic}-synthetic-bf16"
+            else:
+                model = args.dir / f"{args.synthetic}-synthetic-{args.type.lower()}.gguf"
             if not model.exists():
                 started = time.monotonic()
-                synthetic_gguf.write(model, synthetic_gguf.SHAPES[args.synthetic], args.type, log=log)
+                if args.type == "BF16":
+                    synthetic_hf.write(model, shapes, log=log)
+                else:
+                    synthetic_gguf.write(model, shapes, args.type, log=log)
                 result["write_s"] = round(time.monotonic() - started, 1)
         else:
             model = args.model
         model = model.resolve()
-        file_mib = model.stat().st_size / MiB
+        file_mib = _bytes(model) / MiB
         result |= {"model": str(model), "file_mib": round(file_mib), "build_target_mib": round(1.5 * file_mib)}
-        artifacts = args.build_dir or model.with_name(f"{model.stem}-kiln")
+        stem = model.name if model.is_dir() else model.stem
+        artifacts = args.build_dir or model.with_name(f"{stem}-kiln")
         log(f"exporting {model.name} into {artifacts}")
         result["export"] = export_step(model, artifacts)
         result["export"].pop("last_line")
@@ -264,11 +288,19 @@ def main() -> int:
         result["serve"] = serve_ready(artifacts)
         log(f"serve: {result['serve']}")
         if not args.no_llama_cpp:
-            done = run_watched([str(llamacpp.python()), str(llamacpp.BENCH_SCRIPT), "scale", str(model)])
+            gguf = model
+            if model.is_dir():  # llama.cpp reads GGUFs: the same shapes and values as a BF16 GGUF
+                gguf = model.with_name(model.name + ".gguf")
+                if not gguf.exists():
+                    if shutil.disk_usage(model.parent).free < _bytes(model) + 2**30:
+                        log(f"removing {artifacts} to make room for {gguf.name}")
+                        shutil.rmtree(artifacts)
+                    synthetic_gguf.write(gguf, shapes, "BF16", log=log)
+            done = run_watched([str(llamacpp.python()), str(llamacpp.BENCH_SCRIPT), "scale", str(gguf)])
             result["llama.cpp"] = json.loads(done.pop("last_line")) | {"peak_rss_mib": done["peak_rss_mib"],
                                                                       "llama_cpp_python": llamacpp.VERSION}
             log(f"llama.cpp: {result['llama.cpp']}")
-    output = args.output or HERE / "benchmarks" / "results" / f"scale-{model.stem.lower()}-{result['date']}.json"
+    output = args.output or HERE / "benchmarks" / "results" / f"scale-{stem.lower()}-{result['date']}.json"
     output.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0

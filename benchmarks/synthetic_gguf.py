@@ -46,23 +46,42 @@ SHAPES = {
                    context=2048, rope_theta=500000.0, rms_eps=1e-5, llama3_rope=(8.0, 1.0, 4.0, 1024)),
 }
 BLOCK_TYPES = ("Q4_0", "Q8_0")
+# Every 2-D weight as bfloat16 values: what a bf16 checkpoint converted by llama.cpp's converter holds.
+WEIGHT_TYPES = (*BLOCK_TYPES, "BF16")
+SLICE_ELEMENTS = 1 << 24  # random values made at a time
 
 
-def _tensors(s: Shapes) -> list[tuple[str, tuple[int, int] | tuple[int]]]:
-    """(GGUF name, [rows, columns] or [n]) in llama.cpp's order."""
+def random_bf16(count: int, rng: np.random.Generator):
+    """`count` normal values of standard deviation WEIGHT_STD as bfloat16 bit patterns (uint16),
+    made a slice at a time."""
+    for begin in range(0, count, SLICE_ELEMENTS):
+        values = rng.standard_normal(min(SLICE_ELEMENTS, count - begin), dtype=np.float32) * WEIGHT_STD
+        yield (values.view(np.uint32) >> 16).astype(np.uint16)
+
+
+def hf_tensors(s: Shapes) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of a Llama checkpoint of these shapes, in transformers' order."""
     head_dim = s.hidden // s.heads
-    names: list = [("token_embd.weight", (s.vocab, s.hidden))]
+    names: list = [("model.embed_tokens.weight", (s.vocab, s.hidden))]
     for i in range(s.layers):
-        names += [(f"blk.{i}.attn_norm.weight", (s.hidden,)),
-                  (f"blk.{i}.attn_q.weight", (s.heads * head_dim, s.hidden)),
-                  (f"blk.{i}.attn_k.weight", (s.kv_heads * head_dim, s.hidden)),
-                  (f"blk.{i}.attn_v.weight", (s.kv_heads * head_dim, s.hidden)),
-                  (f"blk.{i}.attn_output.weight", (s.hidden, s.heads * head_dim)),
-                  (f"blk.{i}.ffn_norm.weight", (s.hidden,)),
-                  (f"blk.{i}.ffn_gate.weight", (s.intermediate, s.hidden)),
-                  (f"blk.{i}.ffn_up.weight", (s.intermediate, s.hidden)),
-                  (f"blk.{i}.ffn_down.weight", (s.hidden, s.intermediate))]
-    return names + [("output_norm.weight", (s.hidden,)), ("output.weight", (s.vocab, s.hidden))]
+        layer = f"model.layers.{i}"
+        names += [(f"{layer}.input_layernorm.weight", (s.hidden,)),
+                  (f"{layer}.self_attn.q_proj.weight", (s.heads * head_dim, s.hidden)),
+                  (f"{layer}.self_attn.k_proj.weight", (s.kv_heads * head_dim, s.hidden)),
+                  (f"{layer}.self_attn.v_proj.weight", (s.kv_heads * head_dim, s.hidden)),
+                  (f"{layer}.self_attn.o_proj.weight", (s.hidden, s.heads * head_dim)),
+                  (f"{layer}.post_attention_layernorm.weight", (s.hidden,)),
+                  (f"{layer}.mlp.gate_proj.weight", (s.intermediate, s.hidden)),
+                  (f"{layer}.mlp.up_proj.weight", (s.intermediate, s.hidden)),
+                  (f"{layer}.mlp.down_proj.weight", (s.hidden, s.intermediate))]
+    return names + [("model.norm.weight", (s.hidden,)), ("lm_head.weight", (s.vocab, s.hidden))]
+
+
+def _tensors(s: Shapes) -> list[tuple[str, tuple[int, ...]]]:
+    """(GGUF name, [rows, columns] or [n]) in llama.cpp's order: the checkpoint's, renamed."""
+    from kiln.models.gguf_writer import gguf_tensor_name
+
+    return [(gguf_tensor_name(name), shape) for name, shape in hf_tensors(s)]
 
 
 def random_blocks(rows: int, columns: int, type_name: str, rng: np.random.Generator) -> np.ndarray:
@@ -101,8 +120,8 @@ def write(path: Path, shapes: Shapes, type_name: str = "Q4_0", seed: int = 0, lo
     from kiln.models.gguf_loader import llama3_rope_factors
     from kiln.models.gguf_writer import add_value
 
-    if type_name not in BLOCK_TYPES:
-        raise ValueError(f"--type must be one of {BLOCK_TYPES}")
+    if type_name not in WEIGHT_TYPES:
+        raise ValueError(f"--type must be one of {WEIGHT_TYPES}")
     s, rng = shapes, np.random.default_rng(seed)
     head_dim = s.hidden // s.heads
     tmp = path.with_name(path.name + ".tmp")
@@ -125,7 +144,7 @@ def write(path: Path, shapes: Shapes, type_name: str = "Q4_0", seed: int = 0, lo
         add_value(w, key, value)
 
     qtype = GGMLQuantizationType[type_name]
-    block, size = GGML_QUANT_SIZES[qtype]
+    block, size = GGML_QUANT_SIZES[qtype]  # BF16: a "block" of one value, 2 bytes
     extra = {}
     if s.llama3_rope:
         extra["rope_freqs.weight"] = llama3_rope_factors(s.rope_theta, head_dim, *s.llama3_rope)
@@ -147,6 +166,8 @@ def write(path: Path, shapes: Shapes, type_name: str = "Q4_0", seed: int = 0, lo
         for name, shape in tensors:
             if len(shape) == 1:
                 w.write_tensor_data(np.ones(shape, np.float32))
+            elif type_name == "BF16":
+                w.write_tensor_data(np.concatenate(list(random_bf16(shape[0] * shape[1], rng))).view(np.uint8))
             else:
                 w.write_tensor_data(random_blocks(*shape, type_name, rng))
         w.close()
@@ -160,7 +181,7 @@ def write(path: Path, shapes: Shapes, type_name: str = "Q4_0", seed: int = 0, lo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="llama-3.1-8b")
-    parser.add_argument("--type", choices=BLOCK_TYPES, default="Q4_0", help="every 2-D weight's block type")
+    parser.add_argument("--type", choices=WEIGHT_TYPES, default="Q4_0", help="every 2-D weight's type")
     parser.add_argument("-o", "--output", type=Path, help="default: <shapes>-synthetic-<type>.gguf here")
     args = parser.parse_args()
     write(args.output or Path(f"{args.shapes}-synthetic-{args.type.lower()}.gguf"), SHAPES[args.shapes], args.type)

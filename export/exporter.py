@@ -27,7 +27,7 @@ from kiln.runtime.config import kv_storage_dtype
 from kiln.runtime.contract import FunctionKind, argument_names, fixed_decode_name, function_name
 
 from .device_sampling import sample_tokens
-from .fast_trace import fast_tracing
+from .fast_trace import answer_dialect_lookups, fast_tracing
 from .options import ExportOptions
 from .trace_workers import trace_in_processes, tracing_processes, write_merged_module
 
@@ -260,9 +260,9 @@ class PlannedFunction:
 
     @property
     def tracing_cost(self) -> float:
-        """Its trace's time relative to a decode's, to share the functions out among tracing
-        processes: a prefill's dynamic token count costs it three to four times a decode's
-        (SmolLM2, benchmarks/NOTES.md "Build time"); sampling reads no weights."""
+        """Its trace's time relative to a decode's, to trace the costliest first when several
+        processes trace at once: a prefill's dynamic token count costs it three to four times a
+        decode's (SmolLM2, benchmarks/NOTES.md "Build time"); sampling reads no weights."""
         return {FunctionKind.DECODE: 1.0, FunctionKind.SAMPLE: 0.2}.get(self.kind, 3.5)
 
 
@@ -309,6 +309,7 @@ def trace_functions(model: PagedLlama | ShardedPagedLlama, options: ExportOption
         weights = stacked_lora_examples(model.config, options.lora_modules, options.lora_slots, options.lora_rank)
         lora_examples["lora_weights"] = (weights, [{}] * len(weights))
 
+    answer_dialect_lookups()
     for planned in functions:
         kind, bs = planned.kind, planned.batch_size
         fxb = aot.FxProgramsBuilder(model)
@@ -357,15 +358,16 @@ def function_module_path(directory: Path, planned: PlannedFunction) -> Path:
 def trace_module(model: PagedLlama | ShardedPagedLlama, options: ExportOptions, scratch: Path, mlir_path: Path,
                  log=print) -> None:
     """Export every function the contract lists for these options into one module at `mlir_path`,
-    traced by as many processes at once as there are CPUs (export/trace_workers.py), each
-    function imported on its own into `scratch` and the modules merged."""
+    traced by as many processes at once as there are CPUs, a process for each function
+    (export/trace_workers.py), each function imported on its own into `scratch` and the modules
+    merged."""
     functions = planned_functions(model, options)
     jobs = tracing_processes(len(functions))
     started = time.monotonic()
     if jobs == 1:
         trace_functions(model, options, functions, scratch, log)
     else:
-        trace_in_processes(lambda share, share_log: trace_functions(model, options, share, scratch, share_log),
+        trace_in_processes(lambda one, one_log: trace_functions(model, options, one, scratch, one_log),
                            functions, lambda planned: planned.tracing_cost, jobs, scratch, log)
     log(f"  traced and imported to MLIR in {time.monotonic() - started:.1f}s")
     paths = [function_module_path(scratch, planned) for planned in functions]

@@ -13,6 +13,12 @@ makes 52,000), which only reaches the MLIR as source locations: not recorded her
 SmolLM2's default build, prefill at batch 4: 59 s, 41 s in one pass, 24 s without the stacks;
 decode at batch 4: 22, 10, 7 s (benchmarks/NOTES.md, "Build time").
 
+The MLIR import then asks Python for the module of the torch dialect's op classes for every op and
+type it makes (`iree.compiler.dialects.torch`, `.torch_c`). IREE ships none, and MLIR remembers a
+module it found but not one it did not: 55,000 failed imports for one decode function, each a walk
+of the import path. `answer_dialect_lookups` puts an empty module under those names, which MLIR
+finds and remembers (an empty module means what a missing one does: the ops' generic form).
+
 `torch.export._trace._export` and the composite-op override are torch's own, below
 `torch.export.export` and `run_decompositions`; torch is pinned (pyproject.toml), and where they
 are missing the usual two passes run.
@@ -21,6 +27,9 @@ are missing the usual two passes run.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import sys
+import types
 
 import torch
 import torch.fx.config
@@ -79,3 +88,20 @@ def fast_tracing():
             yield
     finally:
         torch.export.export = two_passes
+
+
+# The dialects the import makes ops of that have no op classes in iree.compiler.
+_DIALECTS_WITHOUT_MODULES = ("iree.compiler.dialects.torch", "iree.compiler.dialects.torch_c")
+
+
+def answer_dialect_lookups() -> None:
+    """An empty module for each dialect the MLIR import looks for in vain (above); one that exists
+    is left as it is."""
+    for name in _DIALECTS_WITHOUT_MODULES:
+        if name in sys.modules:
+            continue
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            sys.modules[name] = types.ModuleType(name, "No op classes: MLIR builds this dialect's ops in their "
+                                                       "generic form (export/fast_trace.py).")

@@ -1,12 +1,12 @@
 """A module's functions traced by several processes at once.
 
 torch.export traces in Python, one function at a time on one core: SmolLM2's default build spent
-two of its four minutes there (benchmarks/NOTES.md, "Build time"). The tracing processes are
-forked from the exporting one once the model is built and its weights are in the parameter
-archive, so each starts with the model as it is (its tensors are views of the archive's pages,
-which the processes share and never copy). Each traces its share of the functions, the
-exporting process the first share, each function imported to a module of its own and written to
-a file (one traced program alive at a time). The modules are then merged into one: every
+two of its four minutes there (benchmarks/NOTES.md, "Build time"). Each function is traced by a
+process forked for it from the exporting one, once the model is built and its weights are in the
+parameter archive, so each starts with the model as it is (its tensors are views of the archive's
+pages, which the processes share and never copy); as many run at once as there are CPUs, the
+costliest first. Each imports its function to a module of its own, writes it to a file and
+ends, taking with it what the trace left in its heap. The modules are then merged into one: every
 function, and one copy of what they have in common (the parameters' globals, the CPU kernels'
 declarations, matched by name and definition).
 
@@ -23,7 +23,6 @@ import gc
 import os
 import selectors
 import signal
-import threading
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
@@ -44,18 +43,6 @@ def tracing_processes(function_count: int) -> int:
     else:
         jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(jobs, function_count))
-
-
-def share_out(functions: Sequence[Planned], cost: Callable[[Planned], float], jobs: int) -> list[list[Planned]]:
-    """`functions` in `jobs` shares of about equal cost (the costliest first, each onto the share
-    that holds least so far); each share keeps the functions' order."""
-    shares: list[list[int]] = [[] for _ in range(jobs)]
-    loads = [0.0] * jobs
-    for index in sorted(range(len(functions)), key=lambda i: -cost(functions[i])):
-        least = loads.index(min(loads))
-        shares[least].append(index)
-        loads[least] += cost(functions[index])
-    return [[functions[i] for i in sorted(share)] for share in shares if share]
 
 
 def _single_threaded_import() -> None:
@@ -94,90 +81,109 @@ def _trace_in_child(trace_share, share, error_path: Path, progress_fd: int) -> N
         os._exit(status)
 
 
-def _relay_progress(read_fds: list[int], log) -> threading.Thread:
-    """A thread passing the children's progress lines to `log` as they come, until each pipe closes."""
+class _Progress:
+    """The children's progress lines, all written to one pipe (each line in one write, which a
+    pipe keeps whole), passed to `log` by the exporting process's own thread as they come."""
 
-    def relay() -> None:
-        selector = selectors.DefaultSelector()
-        pending = {}
-        for fd in read_fds:
-            selector.register(fd, selectors.EVENT_READ)
-            pending[fd] = b""
-        while pending:
-            for key, _ in selector.select():
-                chunk = os.read(key.fd, 65536)
-                if not chunk:
-                    selector.unregister(key.fd)
-                    os.close(key.fd)
-                    if rest := pending.pop(key.fd):
-                        log(rest.decode(errors="replace"))
-                    continue
-                *lines, pending[key.fd] = (pending[key.fd] + chunk).split(b"\n")
-                for line in lines:
-                    log(line.decode(errors="replace"))
-        selector.close()
+    def __init__(self, log):
+        self.log = log
+        self.read_fd, self.write_fd = os.pipe()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self.read_fd, selectors.EVENT_READ)
+        self._pending = b""
 
-    thread = threading.Thread(target=relay, name="kiln-trace-progress", daemon=True)
-    thread.start()
-    return thread
+    def relay(self, timeout: float) -> None:
+        """Pass on what has come, waiting up to `timeout` seconds for something."""
+        for _ in self._selector.select(timeout):
+            chunk = os.read(self.read_fd, 65536)
+            if not chunk:
+                return
+            *lines, self._pending = (self._pending + chunk).split(b"\n")
+            for line in lines:
+                self.log(line.decode(errors="replace"))
+
+    def close(self) -> None:
+        """Pass on the rest, once every child that could write has ended."""
+        os.close(self.write_fd)
+        while chunk := os.read(self.read_fd, 65536):
+            self._pending += chunk
+        for line in self._pending.decode(errors="replace").splitlines():
+            self.log(line)
+        self._selector.close()
+        os.close(self.read_fd)
 
 
-def _wait_for(pid: int, error_path: Path) -> str | None:
-    """What went wrong in child `pid`, or None when it wrote its module."""
-    _, status = os.waitpid(pid, 0)
+def _ended(pid: int, error_path: Path) -> tuple[bool, str | None]:
+    """(whether child `pid` has ended, what went wrong in it: None when it wrote its module)."""
+    ended, status = os.waitpid(pid, os.WNOHANG)
+    if not ended:
+        return False, None
     if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
-        return None
+        return True, None
     if error_path.is_file():
-        return error_path.read_text()
+        return True, error_path.read_text()
     if os.WIFSIGNALED(status):
-        return (f"the process was killed (signal {os.WTERMSIG(status)}; the system ends a process that runs out "
-                "of memory: set KILN_TRACE_JOBS=1 to trace in one process)")
-    return f"the process exited with status {os.WEXITSTATUS(status)}"
+        return True, (f"the process was killed (signal {os.WTERMSIG(status)}; the system ends a process that runs "
+                      "out of memory: set KILN_TRACE_JOBS=1 to trace in one process)")
+    return True, f"the process exited with status {os.WEXITSTATUS(status)}"
 
 
 def trace_in_processes(trace_share, functions: Sequence[Planned], cost: Callable[[Planned], float], jobs: int,
                        scratch: Path, log) -> None:
-    """`trace_share(functions, log)` (which writes each function's module) over `jobs` shares of
-    `functions` at once, the first in this process; returns when every share is done."""
-    shares = share_out(functions, cost, jobs)
-    children = []  # (pid, error path)
-    read_fds = []
+    """`trace_share([function], log)` (which writes the function's module) for each of `functions`
+    in a forked process of its own, `jobs` at once, the costliest first; returns when every one is
+    done, or raises the first failure (the others stopped). A process per function: what a trace
+    leaves in the heap (a prefill's ~130 MiB for SmolLM2, which the allocator keeps for the
+    process's life) ends with it, so the build holds the model and at most `jobs` traces at any
+    time, and the exporting process, which traces nothing, stays as it was for what follows."""
+    waiting = sorted(functions, key=cost, reverse=True)
+    running: dict[int, tuple[Planned, Path]] = {}
+    progress = _Progress(log)
+    problem = None
     # Nothing of the parent's for a child's collector to finalize (an object left in a reference
     # cycle may hold a runtime whose teardown waits on threads the child does not have).
     gc.collect()
-    gc.freeze()
     try:
-        for index, share in enumerate(shares[1:], start=1):
-            error_path = scratch / f"share-{index}.error"
-            error_path.unlink(missing_ok=True)
-            read_fd, write_fd = os.pipe()
-            pid = os.fork()
-            if pid == 0:
-                os.close(read_fd)
-                _trace_in_child(trace_share, share, error_path, write_fd)
-            os.close(write_fd)
-            read_fds.append(read_fd)
-            children.append((pid, error_path))
-        gc.unfreeze()
-        relay = _relay_progress(read_fds, log)
-        trace_share(shares[0], log)
+        while (waiting and problem is None) or running:
+            while waiting and problem is None and len(running) < jobs:
+                function = waiting.pop(0)
+                error_path = scratch / f"trace-{len(waiting)}.error"
+                error_path.unlink(missing_ok=True)
+                gc.freeze()
+                pid = os.fork()
+                if pid == 0:
+                    os.close(progress.read_fd)
+                    _trace_in_child(trace_share, [function], error_path, progress.write_fd)
+                gc.unfreeze()
+                running[pid] = (function, error_path)
+            progress.relay(0.05)
+            for pid, (function, error_path) in list(running.items()):
+                ended, failure = _ended(pid, error_path)
+                if ended:
+                    del running[pid]
+                if failure:
+                    problem = f"tracing {getattr(function, 'name', function)}: {failure}"
+                    _stop(running)
+                    break
     except BaseException:
-        gc.unfreeze()
-        for pid, _ in children:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for pid, _ in children:
-            os.waitpid(pid, 0)
+        _stop(running)
         raise
-    problems = [(problem, share) for (pid, error_path), share in zip(children, shares[1:])
-                if (problem := _wait_for(pid, error_path))]
-    relay.join()
-    if problems:
-        problem, share = problems[0]
-        names = ", ".join(getattr(planned, "name", str(planned)) for planned in share)
-        raise ExportError(f"tracing {names}: {problem}")
+    finally:
+        progress.close()
+    if problem:
+        raise ExportError(problem)
+
+
+def _stop(running: dict[int, tuple]) -> None:
+    """End the children still running, and wait for them."""
+    for pid in running:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pid in running:
+        os.waitpid(pid, 0)
+    running.clear()
 
 
 def _symbol(operation) -> str | None:

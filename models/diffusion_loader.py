@@ -8,12 +8,13 @@ mask, so both become an ordinary Checkpoint in Kiln's tensor names, of the diffu
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
-import numpy as np
 from kiln.runtime.errors import ModelLoadError
 
 from .config import LlamaConfig
 from .hf_loader import llama_config
+from .lazy_arrays import LazyArrays, renamed
 
 MASK_TOKEN_IDS = {"llada": 126336, "dream": 151666}  # upstream's defaults
 _DISPLAY = {"llada": "LLaDA", "dream": "Dream"}
@@ -115,16 +116,19 @@ def _diffusion_config(kind: str, values: dict, hf_values: dict, name: str, **dec
     return config
 
 
-def llada_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def llada_tensors(tensors: Mapping) -> LazyArrays:
     """LLaDA's tensors under Kiln's names: model.transformer.blocks.3.ff_out.weight is
     model.layers.3.mlp.down_proj.weight, model.transformer.ff_out.weight is lm_head.weight."""
-    out = {}
-    for name, value in tensors.items():
-        match = _LLADA_NAME.fullmatch(name)
-        layer, part, kind = match.groups() if match else (None, None, None)
-        parts = _LLADA_TOP if layer is None else _LLADA_BLOCK_PARTS
-        if part not in parts or (kind == "bias" and part not in ("q_proj", "k_proj", "v_proj")):
-            raise ModelLoadError(f"unexpected tensor {name!r} in a LLaDA checkpoint")
-        prefix = "" if layer is None else f"model.layers.{layer}."
-        out[f"{prefix}{parts[part]}.{kind}"] = value
-    return out
+    for name in tensors:
+        _llada_name(name)
+    return renamed(tensors, _llada_name)
+
+
+def _llada_name(name: str) -> str:
+    match = _LLADA_NAME.fullmatch(name)
+    layer, part, kind = match.groups() if match else (None, None, None)
+    parts = _LLADA_TOP if layer is None else _LLADA_BLOCK_PARTS
+    if part not in parts or (kind == "bias" and part not in ("q_proj", "k_proj", "v_proj")):
+        raise ModelLoadError(f"unexpected tensor {name!r} in a LLaDA checkpoint")
+    prefix = "" if layer is None else f"model.layers.{layer}."
+    return f"{prefix}{parts[part]}.{kind}"

@@ -8,12 +8,16 @@ so the one model in llama.py runs them all.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from functools import partial
+
 import numpy as np
 
 from kiln.runtime.errors import ModelLoadError
 
 from .config import FULL, SLIDING, LlamaConfig
 from .hf_loader import hf_llama_config, hf_llama_tensors, llama_config
+from .lazy_arrays import LazyArrays, rows
 
 # Gemma's turns: `model` for the assistant, a system message folded into the first user turn.
 GEMMA_CHAT_TEMPLATE = (
@@ -63,26 +67,29 @@ def phi3_config(values: dict, name: str) -> LlamaConfig:
                         attention_bias=False, hidden_act=_activation(values, "silu"))
 
 
-def phi3_tensors(tensors: dict[str, np.ndarray], config: LlamaConfig) -> dict[str, np.ndarray]:
-    """Phi-3's `qkv_proj` split into q/k/v and `gate_up_proj` into gate/up (gate first)."""
+def phi3_tensors(tensors: Mapping, config: LlamaConfig) -> LazyArrays:
+    """Phi-3's `qkv_proj` split into q/k/v and `gate_up_proj` into gate/up (gate first), each part
+    read from the fused weight only when asked for."""
     q_rows = config.num_attention_heads * config.head_dim
     kv_rows = config.num_key_value_heads * config.head_dim
-    out = {}
-    for name, value in hf_llama_tensors(tensors).items():
+    source, out = hf_llama_tensors(tensors), LazyArrays()
+    for name in source:
+        shape = source.shape(name)
         if name.endswith("self_attn.qkv_proj.weight"):
-            base = name.removesuffix("qkv_proj.weight")
-            if value.shape[0] != q_rows + 2 * kv_rows:
-                raise ModelLoadError(f"{name} has {value.shape[0]} rows, not q+k+v's {q_rows + 2 * kv_rows}")
-            q, k, v = np.split(value, [q_rows, q_rows + kv_rows])
-            out |= {base + "q_proj.weight": q, base + "k_proj.weight": k, base + "v_proj.weight": v}
+            if shape[0] != q_rows + 2 * kv_rows:
+                raise ModelLoadError(f"{name} has {shape[0]} rows, not q+k+v's {q_rows + 2 * kv_rows}")
+            base, bounds = name.removesuffix("qkv_proj.weight"), (0, q_rows, q_rows + kv_rows, shape[0])
+            parts = ("q_proj", "k_proj", "v_proj")
         elif name.endswith("mlp.gate_up_proj.weight"):
-            base = name.removesuffix("gate_up_proj.weight")
-            if value.shape[0] != 2 * config.intermediate_size:
-                raise ModelLoadError(f"{name} has {value.shape[0]} rows, not 2 x intermediate_size")
-            gate, up = np.split(value, 2)
-            out |= {base + "gate_proj.weight": gate, base + "up_proj.weight": up}
+            if shape[0] != 2 * config.intermediate_size:
+                raise ModelLoadError(f"{name} has {shape[0]} rows, not 2 x intermediate_size")
+            base, bounds = name.removesuffix("gate_up_proj.weight"), (0, shape[0] // 2, shape[0])
+            parts = ("gate_proj", "up_proj")
         else:
-            out[name] = value
+            out.add_from(source, name)
+            continue
+        for part, begin, end in zip(parts, bounds, bounds[1:]):
+            out.add(f"{base}{part}.weight", (end - begin, *shape[1:]), rows(source, name, begin, end))
     return out
 
 
@@ -172,17 +179,22 @@ _GEMMA_NORMS = {
 }
 
 
-def gemma_tensors(tensors: dict[str, np.ndarray], config: LlamaConfig) -> dict[str, np.ndarray]:
+def gemma_tensors(tensors: Mapping, config: LlamaConfig) -> LazyArrays:
     """Gemma's tensors in Kiln's names, each norm's weight as the plain factor it scales by (1 + w),
     as llama.cpp's converter stores them too."""
-    out = {}
-    for name, value in hf_llama_tensors(tensors).items():
+    source, out = hf_llama_tensors(tensors), LazyArrays()
+    for name in source:
         if name.endswith("norm.weight"):
-            value = value.astype(np.float32) + 1.0
             module = name.split(".")[-2]
-            name = name.removesuffix(f"{module}.weight") + _GEMMA_NORMS.get(module, module) + ".weight"
-        out[name] = value
+            kiln_name = name.removesuffix(f"{module}.weight") + _GEMMA_NORMS.get(module, module) + ".weight"
+            out.add(kiln_name, source.shape(name), partial(_plus_one, source, name))
+        else:
+            out.add_from(source, name)
     return out
+
+
+def _plus_one(tensors: Mapping, name: str) -> np.ndarray:
+    return tensors[name].astype(np.float32) + 1.0
 
 
 def _expert_counts(values: dict) -> dict:
@@ -212,23 +224,23 @@ def qwen3_moe_config(values: dict, name: str) -> LlamaConfig:
                            **_expert_counts(values))
 
 
-def _stacked_experts(tensors: dict[str, np.ndarray], config: LlamaConfig, moe: str,
-                     names: dict[str, str]) -> dict[str, np.ndarray]:
+def _stacked_experts(tensors: Mapping, config: LlamaConfig, moe: str, names: dict[str, str]) -> LazyArrays:
     """Per-expert tensors (`{moe}.experts.{j}.{name}.weight`, as checkpoints store them) stacked into
-    Kiln's [E, ...] parameters under `mlp.experts.*`; `{moe}.gate` (the router) as `mlp.gate`.
-    `names`: each stored name's Kiln name (gate_proj, up_proj, down_proj)."""
-    out, experts = {}, {}
-    for name, value in hf_llama_tensors(tensors).items():
+    Kiln's [E, ...] parameters under `mlp.experts.*` (a layer's experts read when its stack is asked
+    for); `{moe}.gate` (the router) as `mlp.gate`. `names`: each stored name's Kiln name (gate_proj,
+    up_proj, down_proj)."""
+    source, out, experts = hf_llama_tensors(tensors), LazyArrays(), {}
+    for name in source:
         parts = name.split(".")
         if len(parts) > 4 and parts[3] == moe and parts[4] == "experts":
             layer, expert, kind = int(parts[2]), int(parts[5]), parts[6]
             if kind not in names:
                 raise ModelLoadError(f"unexpected expert tensor {name}")
-            experts[(layer, names[kind], expert)] = value
+            experts[(layer, names[kind], expert)] = name
         elif len(parts) > 3 and parts[3] == moe:
-            out[".".join(parts[:3] + ["mlp"] + parts[4:])] = value
+            out.add_from(source, name, ".".join(parts[:3] + ["mlp"] + parts[4:]))
         else:
-            out[name] = value
+            out.add_from(source, name)
     for layer in range(config.num_hidden_layers):
         if not config.is_moe(layer):
             continue
@@ -237,17 +249,22 @@ def _stacked_experts(tensors: dict[str, np.ndarray], config: LlamaConfig, moe: s
                 stacked = [experts.pop((layer, kind, j)) for j in range(config.num_experts)]
             except KeyError as missing:
                 raise ModelLoadError(f"layer {layer} lacks expert {missing.args[0][2]}'s {kind}") from None
-            out[f"model.layers.{layer}.mlp.experts.{kind}"] = np.stack(stacked)
+            out.add(f"model.layers.{layer}.mlp.experts.{kind}", (len(stacked), *source.shape(stacked[0])),
+                    partial(_stack, source, stacked))
     if experts:
         raise ModelLoadError(f"expert tensors beyond num_experts={config.num_experts}: {sorted(experts)[:3]}")
     return out
 
 
-def mixtral_tensors(tensors: dict[str, np.ndarray], config: LlamaConfig) -> dict[str, np.ndarray]:
+def _stack(tensors: Mapping, names: list[str]) -> np.ndarray:
+    return np.stack([tensors[name] for name in names])
+
+
+def mixtral_tensors(tensors: Mapping, config: LlamaConfig) -> LazyArrays:
     """Mixtral's `block_sparse_moe` experts (w1 gate, w3 up, w2 down), stacked."""
     return _stacked_experts(tensors, config, "block_sparse_moe", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"})
 
 
-def qwen3_moe_tensors(tensors: dict[str, np.ndarray], config: LlamaConfig) -> dict[str, np.ndarray]:
+def qwen3_moe_tensors(tensors: Mapping, config: LlamaConfig) -> LazyArrays:
     """Qwen3-MoE's `mlp.experts.{j}.{gate,up,down}_proj`, stacked."""
     return _stacked_experts(tensors, config, "mlp", {k: k for k in ("gate_proj", "up_proj", "down_proj")})

@@ -8,15 +8,17 @@ the readers of the other parts are shared from here.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 
-import numpy as np
-
 from kiln.runtime.errors import ModelLoadError
+from kiln.runtime.safetensors_file import SafetensorsError, read_header, read_tensor
 from kiln.runtime.sampling import model_generation_defaults
 
 from .checkpoint import Checkpoint
 from .config import FULL, SLIDING, LlamaConfig
+from .lazy_arrays import LazyArrays, renamed
 from .sentence_transformers import read_embedding_spec
 
 
@@ -107,51 +109,37 @@ def _safetensor_files(directory: Path) -> list[Path]:
     return found
 
 
-def load_tensors(files: list[Path]) -> dict[str, np.ndarray]:
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
-    tensors: dict[str, np.ndarray] = {}
-    for path in files:
+def read_safetensors(directory: Path) -> LazyArrays:
+    """Every tensor of the directory's safetensors (one file or an indexed set), floats as
+    float32, each read from its file only when asked for (an 8B checkpoint is never in memory
+    whole); each one's kind is its stored type (F32, BF16...)."""
+    tensors = LazyArrays()
+    for path in _safetensor_files(directory):
         if not path.exists():
             raise ModelLoadError(f"{path} is listed in the index but missing")
         try:
-            loaded = load_file(str(path))
-        except (SafetensorError, OSError, ValueError) as error:
+            header = read_header(path)
+        except (SafetensorsError, OSError) as error:
             raise ModelLoadError(f"{path} is not a readable safetensors file: {error}") from None
-        except TypeError:
-            # numpy has no bfloat16: read through torch's loader when weights are bf16.
-            loaded = _load_bf16_file(path)
-        # Once ml_dtypes is imported numpy does know bfloat16, and the file loads as such:
-        # widen it, as above, since torch cannot take those arrays.
-        tensors.update({name: t.astype(np.float32) if t.dtype.name == "bfloat16" else t for name, t in loaded.items()})
+        for name, stored in header.items():
+            tensors.add(name, stored.shape, partial(read_tensor, path, stored), stored.dtype)
     return tensors
 
 
-def _load_bf16_file(path: Path) -> dict[str, np.ndarray]:
-    from safetensors.torch import load_file
+def stored_quantization(tensors: LazyArrays) -> str:
+    """"bf16" where every 2-D tensor (the weight matmuls, the embedding) is stored as BF16, which
+    `--quantize auto` then serves as stored; "none" otherwise."""
+    kinds = {tensors.kind(name) for name in tensors if len(tensors.shape(name)) == 2}
+    return "bf16" if kinds == {"BF16"} else "none"
 
-    return {name: t.float().numpy() for name, t in load_file(str(path)).items()}
 
-
-def hf_llama_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def hf_llama_tensors(tensors: Mapping) -> LazyArrays:
     """A Llama-layout family's tensors under Kiln's names: `model.layers...` and bare
     `layers...` naming both accepted."""
-    out = {}
-    for name, value in tensors.items():
-        if not name.startswith(("model.", "lm_head.")):
-            name = "model." + name
-        out[name] = value
-    return out
+    return renamed(tensors, lambda name: name if name.startswith(("model.", "lm_head.")) else "model." + name)
 
 
-def read_safetensors(directory: Path) -> dict[str, np.ndarray]:
-    """Every tensor of the directory's safetensors (one file or an indexed set), as float32."""
-    return load_tensors(_safetensor_files(directory))
-
-
-def checkpoint_with_tokenizer(directory: Path, config: LlamaConfig,
-                              tensors: dict[str, np.ndarray]) -> Checkpoint:
+def checkpoint_with_tokenizer(directory: Path, config: LlamaConfig, tensors: Mapping) -> Checkpoint:
     """The Checkpoint of `config` and `tensors` (in Kiln's names) with the directory's
     tokenizer.json (required), tokenizer_config.json, and generation_config.json's stop ids and
     sampling defaults, and its sentence-transformers pooling."""

@@ -9,6 +9,7 @@ time, and a weight served from its own blocks is never dequantized at all.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from functools import partial
 from typing import Any
 
 
@@ -25,6 +26,10 @@ class LazyArrays(Mapping):
         self._makers[name] = make
         self._shapes[name] = tuple(shape)
         self._kinds[name] = kind
+
+    def add_from(self, source: LazyArrays, name: str, as_name: str = "") -> None:
+        """source[name], under `as_name` (else its own), made from source when asked for."""
+        self.add(as_name or name, source.shape(name), partial(source.__getitem__, name), source.kind(name))
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shapes[name]
@@ -48,3 +53,26 @@ class LazyArrays(Mapping):
 def shape_of(arrays: Mapping, name: str) -> tuple[int, ...]:
     """The shape of arrays[name], without making it where the arrays are lazy."""
     return arrays.shape(name) if isinstance(arrays, LazyArrays) else tuple(arrays[name].shape)
+
+
+def lazy(arrays: Mapping) -> LazyArrays:
+    """`arrays` as LazyArrays (itself if it is): a dict's values handed out as they are."""
+    if isinstance(arrays, LazyArrays):
+        return arrays
+    out = LazyArrays()
+    for name in arrays:
+        out.add(name, tuple(arrays[name].shape), partial(arrays.__getitem__, name))
+    return out
+
+
+def renamed(arrays: Mapping, name_of: Callable[[str], str]) -> LazyArrays:
+    """`arrays` under new names, each made only when asked for by its new name."""
+    arrays, out = lazy(arrays), LazyArrays()
+    for name in arrays:
+        out.add_from(arrays, name, name_of(name))
+    return out
+
+
+def rows(arrays: Mapping, name: str, begin: int, end: int) -> Callable[[], Any]:
+    """A maker of rows begin:end of arrays[name] (a fused weight's part)."""
+    return lambda: arrays[name][begin:end]

@@ -9,7 +9,7 @@ from kiln.runtime.errors import ModelLoadError
 from .checkpoint import Checkpoint
 from .default_model import DEFAULT_MODEL_GENERATION_DEFAULTS, DEFAULT_MODEL_NAME, default_model_path
 from .gguf_loader import load_gguf
-from .hf_loader import checkpoint_with_tokenizer, read_json, read_safetensors
+from .hf_loader import checkpoint_with_tokenizer, read_json, read_safetensors, stored_quantization
 from .packaged import PACKAGED, resolve_model_path
 from .registry import family_of_hf
 
@@ -38,4 +38,7 @@ def load_hf_directory(directory: Path) -> Checkpoint:
     family = family_of_hf(values)
     config = family.config_from_hf(values, directory.name)
     config.architecture, config.model_kind = family.name, family.kind
-    return checkpoint_with_tokenizer(directory, config, family.tensors_from_hf(read_safetensors(directory), config))
+    stored = read_safetensors(directory)
+    checkpoint = checkpoint_with_tokenizer(directory, config, family.tensors_from_hf(stored, config))
+    checkpoint.stored_quantization = stored_quantization(stored)
+    return checkpoint

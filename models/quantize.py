@@ -394,8 +394,12 @@ def quantize_model(model: nn.Module, mode: str, matmul=eager_weight_matmul,
     stored = stored or {}
     kept = {name for name in stored
             if mode == "gguf" or (mode in BLOCK_MODES and block_type(stored, name) in (BLOCK_MODES[mode], "Q8_0"))}
-    for path, module in list(model.named_modules()):
-        for name, child in list(module.named_children()):
+    # By path and name, not by module: a list of the modules would hold each replaced nn.Linear,
+    # and the float32 weight `load` made for it, to the end (32 GB at 8B from a bf16 checkpoint).
+    for path in [path for path, _ in model.named_modules()]:
+        module = model.get_submodule(path)
+        for name in [name for name, _ in module.named_children()]:
+            child = getattr(module, name)
             prefix = f"{path}.{name}." if path else f"{name}."
             if type(child) is Experts and mode != FLOAT32:  # float32 experts are already as they would be
                 device = DeviceTensorTrait.get(child.gate_proj)

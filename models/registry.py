@@ -10,11 +10,10 @@ needs in export/, and a test: runtime/ and server/ stay as they are.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import import_module
 
-import numpy as np
 
 from kiln.runtime.contract import DIFFUSION
 from kiln.runtime.errors import ModelLoadError
@@ -37,7 +36,7 @@ class ModelFamily:
     gguf_architecture: str | None  # a GGUF's general.architecture (None: no GGUF form)
     kind: str  # the sidecar's model_kind: AUTOREGRESSIVE or DIFFUSION
     config_from_hf: Callable[[dict, str], LlamaConfig]  # (config.json, the model's name)
-    tensors_from_hf: Callable[[dict[str, np.ndarray], LlamaConfig], dict[str, np.ndarray]]  # to Kiln's names
+    tensors_from_hf: Callable[[Mapping, LlamaConfig], Mapping]  # to Kiln's names, read lazily
     module: str = "kiln.models.llama:PagedLlama"  # what the export builds, as "module:class"
     # The LlamaConfig fields a GGUF of the family implies beyond the common ones, from (its
     # metadata by key under the architecture's prefix, the common fields read so far).
@@ -50,7 +49,7 @@ class ModelFamily:
         return getattr(import_module(module), name)
 
 
-def _renamed(tensors: dict[str, np.ndarray], config: LlamaConfig) -> dict[str, np.ndarray]:
+def _renamed(tensors: Mapping, config: LlamaConfig) -> Mapping:
     return hf_llama_tensors(tensors)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InvalidRequestError
-from .safetensors_file import SafetensorsError, read_float_tensors
+from ..safetensors_file import SafetensorsError, read_float_tensors
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_FILE = "adapter_config.json"

@@ -74,5 +74,6 @@ def test_a_first_serve_is_timed_from_an_empty_cache(tmp_path):
     write_hf_directory(make_tiny_checkpoint(seed=5), tmp_path / "tiny")
     first = scale_bench.first_serve(tmp_path / "tiny")
     assert first["health_s"] > 0 and first["peak_rss_mib"] >= first["peak_anon_mib"] > 0
+    assert first["peak_pss_mib"] > first["build_peak_pss_mib"] > 0
     assert any(step.startswith("wrote model.mlir in") for step in first["steps"])
     assert any(step.startswith("compiled model_cpu.vmfb") for step in first["steps"])

@@ -5,6 +5,7 @@ but for the shape asserts the single pass leaves out."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from collections import Counter
 
 import pytest
@@ -95,3 +96,48 @@ def test_the_export_of_a_model_traces_fast(monkeypatch, tmp_path):
         exporter.trace_module(model, options, tmp_path, tmp_path / "model.mlir", log=lambda line: None)
     assert len(entered) == len(exporter.planned_functions(model, options)) and passes == []
     assert "func.func @decode_bs1" in (tmp_path / "model.mlir").read_text()
+
+
+def test_the_import_looks_for_no_dialect_module_in_vain():
+    """Once `answer_dialect_lookups` has run, importing a program to MLIR makes no failed import
+    (before, one per op and type the import makes), and the MLIR is what it was. In a process of
+    its own: MLIR remembers, for the process, a module it once found."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import sys, torch
+        from iree.turbine import aot
+        from torch.export import Dim
+        from kiln.export.fast_trace import _DIALECTS_WITHOUT_MODULES, answer_dialect_lookups, fast_tracing
+        from tests.export.test_fast_trace import Cached
+
+        looked_for = []
+
+        class Spy:
+            def find_spec(self, name, path=None, target=None):
+                looked_for.append(name)
+
+        sys.meta_path.append(Spy())
+
+        def imported():
+            looked_for.clear()
+            torch.manual_seed(0)
+            fxb = aot.FxProgramsBuilder(Cached())
+            with torch.no_grad(), fast_tracing():
+                fxb.export_program(lambda module, x, cache: module(x, cache), name="main",
+                                   args=(torch.randn(4, 8), torch.zeros(64, 8, dtype=torch.float16)),
+                                   dynamic_shapes={"x": {0: Dim("rows", min=2, max=64)}, "cache": {}}, strict=False)
+                text = str(aot.export(fxb).mlir_module)
+            return text, sum(name in _DIALECTS_WITHOUT_MODULES for name in looked_for)
+
+        before, failed_before = imported()
+        answer_dialect_lookups()
+        after, failed_after = imported()
+        print(failed_before, failed_after, after == before)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
+    failed_before, failed_after, same = done.stdout.split()[-3:]
+    assert int(failed_before) > 10 and int(failed_after) == 0 and same == "True", done.stderr[-2000:]

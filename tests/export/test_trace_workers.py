@@ -12,8 +12,7 @@ import pytest
 import torch
 from iree.compiler import ir
 
-from kiln.export.trace_workers import (merge_modules, share_out, trace_in_processes, tracing_processes,
-                                      write_merged_module)
+from kiln.export.trace_workers import merge_modules, trace_in_processes, tracing_processes, write_merged_module
 from kiln.runtime.errors import ExportError
 
 GLOBAL = 'util.global private @weight = #flow.parameter.named<"model"::"weight"> : tensor<4xf32>'
@@ -34,18 +33,6 @@ def module_text(function: str, helper_body: str = "%c = arith.constant 1 : i32")
   }}
 }}
 """
-
-
-def test_shares_are_balanced_and_keep_the_order():
-    costs = {"prefill_bs1": 3.5, "prefill_bs4": 3.5, "decode_bs1": 1, "decode_bs2": 1, "decode_bs4": 1,
-             "decode_bs8": 1, "sample_bs1": 0.2}
-    shares = share_out(list(costs), costs.get, 2)
-    assert sorted(name for share in shares for name in share) == sorted(costs)
-    assert [sum(costs[name] for name in share) for share in shares] in ([5.7, 5.5], [5.5, 5.7])
-    order = list(costs)
-    for share in shares:
-        assert share == sorted(share, key=order.index)
-    assert share_out(["a"], lambda _: 1.0, 4) == [["a"]]
 
 
 def test_the_process_count_follows_the_cpus_or_the_setting(monkeypatch):
@@ -76,23 +63,45 @@ def test_merged_modules_keep_one_copy_of_what_they_share(tmp_path):
     assert "util.call @helper_clash()" in third and "arith.constant 7" in text
 
 
-def test_processes_trace_their_shares_and_the_modules_merge(tmp_path):
+def test_each_function_is_traced_in_a_process_of_its_own_and_the_modules_merge(tmp_path):
     seen = []
 
     def trace_share(share, log):
         for name in share:
             (tmp_path / f"{name}.mlir").write_text(module_text(name))
+            (tmp_path / f"{name}.pid").write_text(str(os.getpid()))
             log(f"traced {name}")
-        seen.append(list(share))  # only the exporting process's share reaches this list
+        seen.append(list(share))  # reaches this process's list only if traced here
 
     lines = []
-    trace_in_processes(trace_share, ["a", "b", "c"], lambda _: 1.0, 3, tmp_path, lines.append)
-    assert seen == [["a"]]
-    assert sorted(lines) == ["traced a", "traced b", "traced c"]
-    write_merged_module([tmp_path / f"{name}.mlir" for name in "abc"], tmp_path / "model.mlir")
+    trace_in_processes(trace_share, ["a", "b", "c", "d"], lambda name: {"c": 3.5}.get(name, 1.0), 2, tmp_path,
+                       lines.append)
+    assert seen == []
+    assert sorted(lines) == ["traced a", "traced b", "traced c", "traced d"]
+    pids = {(tmp_path / f"{name}.pid").read_text() for name in "abcd"}
+    assert len(pids) == 4 and str(os.getpid()) not in pids
+    write_merged_module([tmp_path / f"{name}.mlir" for name in "abcd"], tmp_path / "model.mlir")
     text = (tmp_path / "model.mlir").read_text()
-    assert re.findall(r"util\.func public @(\w+)", text) == ["a", "b", "c"]
+    assert re.findall(r"util\.func public @(\w+)", text) == ["a", "b", "c", "d"]
     assert text.count("util.global private @weight") == 1 and text.count("util.func private @helper") == 1
+
+
+def test_the_costliest_go_first_and_no_more_than_the_jobs_at_once(tmp_path):
+    import time
+
+    def trace_share(share, log):
+        (tmp_path / f"{share[0]}.span").write_text(f"{time.monotonic()} ")
+        time.sleep(0.3)
+        with open(tmp_path / f"{share[0]}.span", "a") as span:
+            span.write(str(time.monotonic()))
+
+    costs = {"decode_bs1": 1.0, "prefill_bs1": 3.5, "decode_bs2": 1.0, "prefill_bs4": 3.5, "sample_bs1": 0.2}
+    trace_in_processes(trace_share, list(costs), costs.get, 2, tmp_path, print)
+    spans = {name: [float(t) for t in (tmp_path / f"{name}.span").read_text().split()] for name in costs}
+    starts = sorted(spans, key=lambda name: spans[name][0])
+    assert set(starts[:2]) == {"prefill_bs1", "prefill_bs4"} and starts[-1] == "sample_bs1"
+    for name, (begin, _) in spans.items():  # at most two running whenever one starts
+        assert sum(b <= begin < e for b, e in spans.values()) <= 2, name
 
 
 def test_a_failed_process_names_its_functions(tmp_path):
@@ -106,6 +115,18 @@ def test_a_failed_process_names_its_functions(tmp_path):
         trace_in_processes(trace_share, ["prefill_bs1", "decode_bs4"], lambda _: 1.0, 2, tmp_path, print)
     with pytest.raises(ExportError, match=r"tracing decode_bs8: the process was killed \(signal 9"):
         trace_in_processes(trace_share, ["prefill_bs1", "decode_bs8"], lambda _: 1.0, 2, tmp_path, print)
+
+
+def test_after_a_failure_no_other_function_is_started(tmp_path):
+    def trace_share(share, log):
+        (tmp_path / f"{share[0]}.started").touch()
+        if share[0] == "prefill_bs1":
+            raise ValueError("no")
+
+    with pytest.raises(ExportError, match="tracing prefill_bs1: ValueError: no"):
+        trace_in_processes(trace_share, ["decode_bs1", "prefill_bs1", "decode_bs2"], lambda name: 3.5 if "prefill" in name else 1.0, 1,
+                           tmp_path, print)
+    assert sorted(p.stem for p in tmp_path.glob("*.started")) == ["prefill_bs1"]
 
 
 def test_the_tiny_models_module_is_the_same_from_one_process_or_two(monkeypatch, tmp_path):

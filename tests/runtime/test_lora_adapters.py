@@ -11,7 +11,7 @@ from safetensors.numpy import save_file
 
 from kiln.runtime.errors import InvalidRequestError, QueueFullError
 from kiln.runtime.lora.adapter import LoraShapes, read_adapter
-from kiln.runtime.lora.safetensors_file import read_float_tensors
+from kiln.runtime.safetensors_file import read_float_tensors
 from kiln.runtime.lora.slots import LoraSlots
 from kiln.runtime.lora.weights import StackedLoraWeights
 

@@ -63,7 +63,7 @@ def merged(tiny_checkpoint, adapters):
     import torch
 
     from kiln.models.llama import PagedLlama
-    from kiln.runtime.lora.safetensors_file import read_float_tensors
+    from kiln.runtime.safetensors_file import read_float_tensors
 
     def model(name):
         tensors = dict(tiny_checkpoint.tensors)
