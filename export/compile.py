@@ -6,7 +6,8 @@ model with a 256 MiB cache went from 0.34 ms to 222 ms per token). We compile in
 the input dialect, where each exported function imports the cache with
 `hal.tensor.import` and writes it back with `hal.tensor.alias`; we mark that
 import `consume` (the callee owns the buffer: the KV-cache contract) with the
-MLIR Python bindings; then we compile the rest.
+MLIR Python bindings; then we compile the rest. The module passes between the
+phases as bytecode, which reads and writes in a fraction of its text's time.
 """
 
 from __future__ import annotations
@@ -87,42 +88,40 @@ def run_iree_compile(args: list[str], what: str) -> None:
         raise ExportError(f"iree-compile failed while {what}: {first_error.strip()}")
 
 
-def mark_cache_imports_consumed(input_ir: str) -> tuple[str, int]:
-    """Mark the import of every argument that a function writes back as `consume`.
-
-    Returns the new IR text and how many imports were marked. The written-back
-    argument is found through the `hal.tensor.alias` that stores into it, per
+def mark_cache_imports_consumed(module) -> int:
+    """Mark the import of every argument that a function of `module` (an MLIR module at IREE's
+    input level) writes back as `consume`; returns how many imports were marked. The
+    written-back argument is found through the `hal.tensor.alias` that stores into it, per
     function, not by its printed name (which repeats across functions).
     """
     from iree.compiler import ir
 
     marked = 0
-    with ir.Context():
-        module = ir.Module.parse(input_ir)
-        for func in module.body.operations:
-            if func.operation.name != "util.func" or not func.regions or not func.regions[0].blocks:
+    for func in module.body.operations:
+        if func.operation.name != "util.func" or not func.regions or not func.regions[0].blocks:
+            continue
+        for block in func.regions[0].blocks:
+            aliased = set()
+            for op in block.operations:
+                if op.operation.name == "hal.tensor.alias":
+                    for operand in op.operands:
+                        if isinstance(operand.owner, ir.Block) and "hal.buffer_view" in str(operand.type):
+                            aliased.add(ir.BlockArgument(operand).arg_number)
+            if not aliased:
                 continue
-            for block in func.regions[0].blocks:
-                aliased = set()
-                for op in block.operations:
-                    if op.operation.name == "hal.tensor.alias":
-                        for operand in op.operands:
-                            if isinstance(operand.owner, ir.Block) and "hal.buffer_view" in str(operand.type):
-                                aliased.add(ir.BlockArgument(operand).arg_number)
-                if not aliased:
+            for op in block.operations:
+                if op.operation.name != "hal.tensor.import":
                     continue
-                for op in block.operations:
-                    if op.operation.name != "hal.tensor.import":
-                        continue
-                    source = op.operands[0]
-                    if isinstance(source.owner, ir.Block) and ir.BlockArgument(source).arg_number in aliased:
-                        op.attributes["consume"] = ir.UnitAttr.get()
-                        marked += 1
-        return str(module), marked
+                source = op.operands[0]
+                if isinstance(source.owner, ir.Block) and ir.BlockArgument(source).arg_number in aliased:
+                    op.attributes["consume"] = ir.UnitAttr.get()
+                    marked += 1
+    return marked
 
 
-def pin_arguments_to_first_device(input_ir: str) -> str:
-    """Give every argument import and write-back that names no device an explicit device 0.
+def pin_arguments_to_first_device(module) -> None:
+    """Give every argument import and write-back of `module` that names no device an explicit
+    device 0.
 
     A multi-device export leaves device 0's arguments unannotated (export/exporter.py's
     device_affinities says why). On a deep tensor-parallel module IREE 3.13's affinity
@@ -131,21 +130,31 @@ def pin_arguments_to_first_device(input_ir: str) -> str:
     """
     from iree.compiler import ir
 
+    first_device = ir.Attribute.parse("#hal.device.promise<@__device_0>")
+    for func in module.body.operations:
+        if func.operation.name != "util.func" or not func.regions:
+            continue
+        for block in func.regions[0].blocks:
+            for op in block.operations:
+                if op.operation.name in ("hal.tensor.import", "hal.tensor.alias") and "affinity" not in op.attributes:
+                    op.attributes["affinity"] = first_device
+
+
+def rewrite_module(source: Path, output: Path, change):
+    """Parse the module at `source` (text or bytecode), apply `change` to it, write it to
+    `output` as bytecode; returns what `change` returned. Nothing of it stays in memory after."""
+    from iree.compiler import ir
+
     with ir.Context():
-        module = ir.Module.parse(input_ir)
-        first_device = ir.Attribute.parse("#hal.device.promise<@__device_0>")
-        for func in module.body.operations:
-            if func.operation.name != "util.func" or not func.regions:
-                continue
-            for block in func.regions[0].blocks:
-                for op in block.operations:
-                    if op.operation.name in ("hal.tensor.import", "hal.tensor.alias") and "affinity" not in op.attributes:
-                        op.attributes["affinity"] = first_device
-        return str(module)
+        module = ir.Module.parse(source.read_bytes())
+        result = change(module)
+        with open(output, "wb") as written:
+            module.operation.write_bytecode(written)
+    return result
 
 
-def compile_multi_device_fallbacks(compile_with, flags: list[str], input_ir: str, input_path: Path,
-                                   error: ExportError, log) -> None:
+def compile_multi_device_fallbacks(compile_with, flags: list[str], input_path: Path, error: ExportError,
+                                   log) -> None:
     """Compile a multi-device module that failed with `flags`, working around IREE 3.13's limits:
     its CPU data tiling fails on most multi-device modules ("set_encoding op encoding expects 2
     dynamic encoding dimension(s)", "failed to determine resource affinity"), which compile
@@ -162,7 +171,7 @@ def compile_multi_device_fallbacks(compile_with, flags: list[str], input_ir: str
         raise error
     log(f"warning: {error}; compiling again with device 0's arguments pinned "
         "(each call then copies the KV cache buffers)")
-    input_path.write_text(pin_arguments_to_first_device(input_ir))
+    rewrite_module(input_path, input_path, pin_arguments_to_first_device)
     compile_with(flags)
 
 
@@ -199,17 +208,20 @@ def compile_vmfb(
         # so a failed or interrupted compile never leaves a truncated VMFB.
         scratch = Path(scratch)
         started = time.monotonic()
-        run_iree_compile([str(mlir_path), "--compile-to=input", "-o", str(scratch / "input.mlir")], "importing the model")
-        input_ir = (scratch / "input.mlir").read_text()
-        devices = device_count(input_ir)
+        run_iree_compile([str(mlir_path), "--compile-to=input", "--emit-mlir-bytecode", "-o", str(scratch / "input.mlirbc")],
+                         "importing the model")
+        # What the export wrote names its devices and the kernels' object as the import keeps them.
+        exported = mlir_path.read_bytes().decode("latin-1")
+        devices = device_count(exported)
         flags = target_flags(target, arch, devices)
-        if CPU_KERNELS_OBJECT in input_ir:
+        if CPU_KERNELS_OBJECT in exported:
             check_cpu_kernels_target(mlir_path, target, arch)
             flags.append(f"--iree-hal-executable-object-search-path={mlir_path.parent.resolve()}")
-        text, marked = mark_cache_imports_consumed(input_ir)
+        del exported
+        consumed = scratch / "consumed.mlirbc"
+        marked = rewrite_module(scratch / "input.mlirbc", consumed, mark_cache_imports_consumed)
         if marked == 0:
             log("warning: no written-back argument found; the KV cache will be copied on every call")
-        (scratch / "consumed.mlir").write_text(text)
         log(f"imported and marked {marked} cache argument(s) as consumed in {time.monotonic() - started:.1f}s"
             + (f"; {devices} devices" if devices > 1 else ""))
 
@@ -219,7 +231,7 @@ def compile_vmfb(
         def compile_with(flags: list[str]) -> None:
             try:
                 run_iree_compile(
-                    [str(scratch / "consumed.mlir"), "--compile-from=input", *flags, *(extra_flags or []),
+                    [str(consumed), "--compile-from=input", *flags, *(extra_flags or []),
                      "-o", str(partial)],
                     f"compiling for {target}",
                 )
@@ -235,7 +247,7 @@ def compile_vmfb(
             except ExportError as error:
                 if devices == 1:
                     raise
-                compile_multi_device_fallbacks(compile_with, flags, text, scratch / "consumed.mlir", error, log)
+                compile_multi_device_fallbacks(compile_with, flags, consumed, error, log)
             partial.replace(output)
         finally:
             partial.unlink(missing_ok=True)

@@ -99,13 +99,20 @@ def support_problem() -> str | None:
 
 
 @functools.lru_cache(maxsize=4)
-def _compile_problem(compiler: str) -> str | None:
+def _compiled(compiler: str) -> tuple[bytes | None, str | None]:
+    """The kernels compiled by `compiler`, once per process: (the object file's bytes, None), or
+    (None, why they did not compile). The check that the machine can build them keeps what it
+    built, and an export writes that."""
     with tempfile.TemporaryDirectory(prefix="kiln-kernels-") as scratch:
         try:
             _compile(compiler, Path(scratch) / OBJECT_FILE)
         except ExportError as error:
-            return str(error)
-    return None
+            return None, str(error)
+        return (Path(scratch) / OBJECT_FILE).read_bytes(), None
+
+
+def _compile_problem(compiler: str) -> str | None:
+    return _compiled(compiler)[1]
 
 
 def _compile(compiler: str, output: Path) -> None:
@@ -121,10 +128,9 @@ def build_object(directory: Path) -> Path:
     if problem:
         raise ExportError(problem)
     output = Path(directory) / OBJECT_FILE
-    with tempfile.TemporaryDirectory(prefix="kiln-kernels-") as scratch:
-        partial = Path(scratch) / OBJECT_FILE
-        _compile(c_compiler(), partial)
-        shutil.move(partial, output)
+    partial = output.with_name(output.name + ".partial")
+    partial.write_bytes(_compiled(c_compiler())[0])
+    os.replace(partial, output)
     return output
 
 

@@ -313,7 +313,7 @@ def trace_functions(model: PagedLlama | ShardedPagedLlama, options: ExportOption
     for planned in functions:
         kind, bs = planned.kind, planned.batch_size
         fxb = aot.FxProgramsBuilder(model)
-        with fast_tracing():
+        with fast_tracing(model):
             if kind is FunctionKind.SAMPLE:
                 trace_function(fxb, sample, planned.name, argument_names(kind, options.has_prefill_position),
                                sample_examples(bs, model.config.vocab_size), log)

@@ -13,6 +13,13 @@ makes 52,000), which only reaches the MLIR as source locations: not recorded her
 SmolLM2's default build, prefill at batch 4: 59 s, 41 s in one pass, 24 s without the stacks;
 decode at batch 4: 22, 10, 7 s (benchmarks/NOTES.md, "Build time").
 
+That one pass still runs the model twice. AOT autograd first runs it on fake tensors to learn
+which inputs the call mutates and which outputs alias what (its "metadata" pass), then again to
+record the graph. What the first run learns is the function's signature, and a paged model's is
+the same with one layer as with thirty: the cache written in place, the logits or hidden states
+returned, every weight only read. So the first run goes through the first layer alone
+(`PagedLlama.first_layer_only`): a fifth of a trace's time saved, and the same program.
+
 The MLIR import then asks Python for the module of the torch dialect's op classes for every op and
 type it makes (`iree.compiler.dialects.torch`, `.torch_c`). IREE ships none, and MLIR remembers a
 module it found but not one it did not: 55,000 failed imports for one decode function, each a walk
@@ -42,6 +49,12 @@ try:
     )
 except ImportError:  # another torch: trace as turbine does
     _export_to_aten = None
+try:
+    import torch._functorch.aot_autograd as _aot_autograd
+
+    _collect_metadata = _aot_autograd.run_functionalized_fw_and_collect_metadata
+except (ImportError, AttributeError):  # another torch: the metadata pass runs every layer
+    _collect_metadata = None
 
 # Ops in turbine's table that torch-mlir's import lowers itself (a dtype copy, a 2-D transpose):
 # decomposing them first would cost the second trace and change nothing.
@@ -63,8 +76,32 @@ def _without_stack_traces():
 
 
 @contextlib.contextmanager
-def fast_tracing():
-    """Within it, turbine's `export_program` traces each function once, recording no stacks."""
+def _metadata_from_first_layer(model):
+    """Within it, AOT autograd's metadata pass runs `model` (a PagedLlama) on its first layer."""
+    if _collect_metadata is None or not hasattr(model, "first_layer_only"):
+        yield
+        return
+
+    def collect_on_first_layer(function, **options):
+        collect = _collect_metadata(function, **options)
+
+        def collect_metadata(*args):
+            with model.first_layer_only():
+                return collect(*args)
+
+        return collect_metadata
+
+    _aot_autograd.run_functionalized_fw_and_collect_metadata = collect_on_first_layer
+    try:
+        yield
+    finally:
+        _aot_autograd.run_functionalized_fw_and_collect_metadata = _collect_metadata
+
+
+@contextlib.contextmanager
+def fast_tracing(model=None):
+    """Within it, turbine's `export_program` traces each function once, recording no stacks; and
+    where `model` runs its first layer alone on request (PagedLlama), the metadata pass runs so."""
     if _export_to_aten is None:
         with _without_stack_traces():
             yield
@@ -84,7 +121,8 @@ def fast_tracing():
     torch.export.export = one_pass
     try:
         # Turbine's own pass after the export: nothing left for it to do.
-        with _without_stack_traces(), extend_aot_decompositions(from_current=False):
+        with _without_stack_traces(), extend_aot_decompositions(from_current=False), \
+                _metadata_from_first_layer(model):
             yield
     finally:
         torch.export.export = two_passes

@@ -20,6 +20,8 @@ counts pages.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 
 import torch
@@ -408,6 +410,18 @@ class PagedLlama(nn.Module):
             self.register_buffer("long_inv_freq", long, persistent=False)
         self.long_rope_from = config.rope_scaling["original_max_position_embeddings"] if longrope else None
         self.rotary_factor = rope_attention_factor(config)
+        self.running_layers: int | None = None  # forward_paged runs this many layers (None: all)
+
+    @contextlib.contextmanager
+    def first_layer_only(self):
+        """Within it, forward_paged runs the first layer alone: the same inputs written, the same
+        outputs of the same shapes, for a fraction of the work (a trace's first pass, which learns
+        only those, runs so: export/fast_trace.py)."""
+        self.running_layers = 1
+        try:
+            yield
+        finally:
+            self.running_layers = None
 
     # -- sizes -------------------------------------------------------------------------
     @property
@@ -510,7 +524,7 @@ class PagedLlama(nn.Module):
         h = self.embed(tokens)
         step = PagedStep.of(self, tokens, start_pos, seq_lens, seq_block_ids, h.dtype)
         pages = CachePages(cache, self.page_layers, c.num_key_value_heads, c.head_dim, self.block_seq_stride)
-        for index, layer in enumerate(self.model.layers):
+        for index, layer in enumerate(itertools.islice(self.model.layers, self.running_layers)):
             out = pages.attend(layer.self_attn, index, layer.input_layernorm(h), step, self.gather_pages,
                                self.decode_attention)
             h = h + layer.attention_output_norm(out)

@@ -421,9 +421,9 @@ def test_the_kernels_are_refused_where_they_cannot_be_built(monkeypatch, tiny_hf
     # A compiler that cannot build them (too old for the intrinsics) is no compiler for them:
     # `--cpu-kernels auto` then builds without them.
     monkeypatch.setattr(cpu_kernels, "C_FLAGS", ("-mno-such-flag",))
-    cpu_kernels._compile_problem.cache_clear()
+    cpu_kernels._compiled.cache_clear()
     assert "failed" in cpu_kernels.support_problem()
-    cpu_kernels._compile_problem.cache_clear()
+    cpu_kernels._compiled.cache_clear()
     monkeypatch.setenv("CC", "")
     monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
     assert "C compiler" in cpu_kernels.support_problem()

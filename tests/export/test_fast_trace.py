@@ -4,6 +4,7 @@ but for the shape asserts the single pass leaves out."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import Path
 from collections import Counter
@@ -73,9 +74,9 @@ def test_the_export_of_a_model_traces_fast(monkeypatch, tmp_path):
     entered = []
     real = exporter.fast_tracing
 
-    def watched():
+    def watched(*args):
         entered.append(1)
-        return real()
+        return real(*args)
 
     monkeypatch.setattr(exporter, "fast_tracing", watched)
     monkeypatch.setenv("KILN_TRACE_JOBS", "1")  # every function traced in this process, where it is watched
@@ -141,3 +142,55 @@ def test_the_import_looks_for_no_dialect_module_in_vain():
                           cwd=Path(__file__).resolve().parents[2])
     failed_before, failed_after, same = done.stdout.split()[-3:]
     assert int(failed_before) > 10 and int(failed_after) == 0 and same == "True", done.stderr[-2000:]
+
+
+def test_the_metadata_pass_runs_the_first_layer_and_the_program_is_the_same(monkeypatch, tmp_path):
+    """AOT autograd's first run of the model, which learns only what the call mutates and returns,
+    goes through the first layer alone; the graph pass through all of them. The tiny model's
+    prefill and decode (the cache written in place) import to the same MLIR as with every layer
+    in both runs."""
+    pytest.importorskip("torch.export._trace")
+    from kiln.export import exporter, fast_trace
+    from kiln.export.options import ExportOptions
+    from kiln.models.llama import PagedLlama
+    from tests.tiny_model import make_tiny_checkpoint
+
+    checkpoint = make_tiny_checkpoint(seed=0)
+    model = PagedLlama(checkpoint.config, block_seq_stride=16)
+    model.load_tensors(checkpoint.tensors)
+    layers = len(model.model.layers)
+    assert layers > 1
+    options = ExportOptions(prefill_batch_sizes=(1,), decode_batch_sizes=(2,), max_seq_len=64, device_block_count=8,
+                            decode_buckets=()).validate(256)
+    functions = exporter.planned_functions(model, options)
+    runs = []  # the layers (their MLPs) each run of the model went through
+    forward = PagedLlama.forward_paged
+
+    def counted(self, *args):
+        ran = []
+        hooks = [layer.mlp.register_forward_pre_hook(lambda module, inputs: ran.append(1))
+                 for layer in self.model.layers]
+        try:
+            return forward(self, *args)
+        finally:
+            runs.append(len(ran))
+            for hook in hooks:
+                hook.remove()
+
+    monkeypatch.setattr(PagedLlama, "forward_paged", counted)
+    (tmp_path / "first").mkdir()
+    with torch.no_grad():
+        exporter.trace_functions(model, options, functions, tmp_path / "first", log=lambda line: None)
+    assert runs == [1, layers] * len(functions)  # the metadata run, then the graph's
+    assert model.running_layers is None  # every layer again once the pass is over
+
+    runs.clear()
+    monkeypatch.setattr(fast_trace, "_metadata_from_first_layer", lambda model: contextlib.nullcontext())
+    (tmp_path / "every").mkdir()
+    with torch.no_grad():
+        exporter.trace_functions(model, options, functions, tmp_path / "every", log=lambda line: None)
+    assert runs == [layers, layers] * len(functions)
+    for planned in functions:
+        first = exporter.function_module_path(tmp_path / "first", planned).read_text()
+        every = exporter.function_module_path(tmp_path / "every", planned).read_text()
+        assert first == every, planned.name

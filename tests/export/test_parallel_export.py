@@ -155,12 +155,17 @@ def test_arguments_pinned_to_device_zero_when_the_affinity_analysis_needs_it(tin
     import re
     import subprocess
 
+    from iree.compiler import ir
+
     from kiln.export.compile import iree_compile_tool, pin_arguments_to_first_device
 
     subprocess.run([iree_compile_tool(), str(tiny_tp2_artifacts / "model.mlir"), "--compile-to=input",
                     "-o", str(tmp_path / "input.mlir")], check=True)
     before = (tmp_path / "input.mlir").read_text()
-    after = pin_arguments_to_first_device(before)
+    with ir.Context():
+        module = ir.Module.parse(before)
+        pin_arguments_to_first_device(module)
+        after = str(module)
     ops = re.findall(r"hal\.tensor\.(?:import|alias)( on\(#hal\.device\.promise<@__device_(\d)>\))?", after)
     assert ops and all(on for on, _ in ops)
     assert sorted({device for _, device in ops}) == ["0", "1"]
