@@ -359,16 +359,14 @@ def trace_module(model: PagedLlama | ShardedPagedLlama, options: ExportOptions, 
                  log=print) -> None:
     """Export every function the contract lists for these options into one module at `mlir_path`,
     traced by as many processes at once as there are CPUs, a process for each function
-    (export/trace_workers.py), each function imported on its own into `scratch` and the modules
-    merged."""
+    (export/trace_workers.py; one at a time on one CPU too, so that what a trace leaves in the
+    heap never reaches iree-compile), each function imported on its own into `scratch` and the
+    modules merged."""
     functions = planned_functions(model, options)
-    jobs = tracing_processes(len(functions))
     started = time.monotonic()
-    if jobs == 1:
-        trace_functions(model, options, functions, scratch, log)
-    else:
-        trace_in_processes(lambda one, one_log: trace_functions(model, options, one, scratch, one_log),
-                           functions, lambda planned: planned.tracing_cost, jobs, scratch, log)
+    trace_in_processes(lambda one, one_log: trace_functions(model, options, one, scratch, one_log),
+                       functions, lambda planned: planned.tracing_cost, tracing_processes(len(functions)), scratch,
+                       log)
     log(f"  traced and imported to MLIR in {time.monotonic() - started:.1f}s")
     paths = [function_module_path(scratch, planned) for planned in functions]
     write_merged_module(paths, mlir_path)

@@ -124,7 +124,7 @@ def _ended(pid: int, error_path: Path) -> tuple[bool, str | None]:
         return True, error_path.read_text()
     if os.WIFSIGNALED(status):
         return True, (f"the process was killed (signal {os.WTERMSIG(status)}; the system ends a process that runs "
-                      "out of memory: set KILN_TRACE_JOBS=1 to trace in one process)")
+                      "out of memory: set KILN_TRACE_JOBS=1 to trace one function at a time)")
     return True, f"the process exited with status {os.WEXITSTATUS(status)}"
 
 
