@@ -95,7 +95,7 @@ def support_problem() -> str | None:
     compiler = c_compiler()
     if compiler is None:
         return "the CPU kernels are compiled with a C compiler, and none was found (set CC, or install gcc)"
-    return _compile_problem(compiler)
+    return _compiled(compiler)[1]
 
 
 @functools.lru_cache(maxsize=4)
@@ -109,10 +109,6 @@ def _compiled(compiler: str) -> tuple[bytes | None, str | None]:
         except ExportError as error:
             return None, str(error)
         return (Path(scratch) / OBJECT_FILE).read_bytes(), None
-
-
-def _compile_problem(compiler: str) -> str | None:
-    return _compiled(compiler)[1]
 
 
 def _compile(compiler: str, output: Path) -> None:

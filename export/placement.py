@@ -8,7 +8,8 @@ from collections import Counter
 
 import numpy as np
 
-_DEVICE = re.compile(r'@"?__device_(\d+)')
+# A device's symbol, in text (`@__device_1`) or in bytecode, whose string table holds it without the `@`.
+_DEVICE = re.compile(r'__device_(\d+)')
 _PARAMETER_GLOBAL = re.compile(
     r'util\.global private @\S+(?: \{stream\.affinity = #hal\.device\.promise<@"?__device_(\d+)"?>\})?'
     r' = #flow\.parameter\.named<[^>]*> : tensor<([^>]*)>')
@@ -16,7 +17,8 @@ _ELEMENT_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i64": 8, "i32": 4, "i8": 1}
 
 
 def device_count(module_text: str) -> int:
-    """How many logical devices a module places work on: 1 + the highest `__device_N` it names."""
+    """How many logical devices a module places work on: 1 + the highest `__device_N` it names
+    (its text, or its bytecode read as Latin-1)."""
     return max((int(n) for n in _DEVICE.findall(module_text)), default=0) + 1
 
 

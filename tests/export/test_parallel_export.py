@@ -8,6 +8,8 @@ and the serving stack runs on them unchanged, the host KV tier included.
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 
@@ -110,6 +112,12 @@ def test_each_device_loads_its_share_of_the_weights(parallel, tiny_artifacts):
     kind, artifacts, _, _ = parallel
     text = (artifacts / "model.mlir").read_text()
     assert device_count(text) == 2
+    from iree.compiler import ir
+
+    with ir.Context():  # compile-vmfb reads the count from a module given as bytecode too
+        bytecode = io.BytesIO()
+        ir.Module.parse(text).operation.write_bytecode(bytecode)
+    assert device_count(bytecode.getvalue().decode("latin-1")) == 2
     split = parameter_bytes_by_device(text)
     [whole] = parameter_bytes_by_device((tiny_artifacts / "model.mlir").read_text()).values()
     assert sum(split.values()) == whole  # nothing loaded twice
