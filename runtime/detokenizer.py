@@ -132,8 +132,10 @@ class StopChecker:
         """All text released so far: the output cut right before the stop string, once stopped."""
         return "".join(self._chunks)
 
-    def feed(self, delta: str) -> tuple[str, bool]:
-        """Add decoded text; return (text safe to stream now, whether a stop string matched)."""
+    def feed(self, delta: str, may_stop: bool = True) -> tuple[str, bool]:
+        """Add decoded text; return (text safe to stream now, whether a stop string matched).
+        With `may_stop` false (min_tokens not reached yet) a stop string completed in `delta`
+        is text like any other, though one begun in it may still complete in a later delta."""
         if self.stopped:
             return "", True
         automaton = self._automaton
@@ -146,7 +148,7 @@ class StopChecker:
         for offset, ch in enumerate(delta):
             state = automaton.step(state, ch)
             found = automaton.match[state]
-            if found is not None:  # the first stop string to complete (the longest, if several)
+            if found is not None and may_stop:  # the first stop string to complete (the longest, if several)
                 end = len(self._held) + offset + 1
                 self.stopped, self.matched, self._held = True, found, ""
                 return self._emit(buf[: end - len(found)]), True

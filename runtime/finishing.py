@@ -89,10 +89,13 @@ class Stopping:
         state = self._texts[seq.seq_id]
         # An EOS or stop token ends the text without being part of it.
         delta = "" if finish is not None and finish.stop_token is not None else state.detokenizer.add(token)
-        text, stopped = state.stop_checker.feed(delta)
+        # As min_tokens holds back the end tokens, it holds back the stop strings: none ends the
+        # text before it has that many tokens (vLLM's rule: from the min_tokens-th on).
+        may_stop = seq.generated >= seq.params.min_tokens
+        text, stopped = state.stop_checker.feed(delta, may_stop)
         if not stopped and finish is not None:
             # Release what the detokenizer and the stop checker still hold.
-            tail, stopped = state.stop_checker.feed(state.detokenizer.flush())
+            tail, stopped = state.stop_checker.feed(state.detokenizer.flush(), may_stop)
             text += tail
             if not stopped:
                 text += state.stop_checker.finish()

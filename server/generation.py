@@ -65,6 +65,17 @@ def check_limits(settings: ServerSettings, params: SamplingParams) -> None:
                                   param="best_of")
 
 
+def check_queue_room(service: GenerateService, params: list[SamplingParams]) -> None:
+    """A request whose sequences (each prompt's n, or its beams) outnumber what the queue can
+    ever hold would be refused as busy however long it waited: it is a 400 instead, naming the
+    bound. (A queue of 0 holds nothing, and answers every request busy.)"""
+    room = service.config.max_queue
+    sequences = sum(p.sequence_count for p in params)
+    if 0 < room < sequences:
+        raise InvalidRequestError(f"the request runs {sequences} sequences (its prompts times n), more than the "
+                                  f"{room} the server's queue holds (--max-queue): send fewer at once", param="n")
+
+
 def rest_of_context(service: GenerateService, prompt: list[int]) -> int:
     """The default max_tokens where a route has none of its own (the service's: what is left of
     the context, or a diffusion LM's default canvas)."""
@@ -146,6 +157,7 @@ class Generation:
             for index, params in enumerate(self.params):
                 with _naming_prompt(index if many else None):
                     check_limits(self.settings, params)
+            check_queue_room(self.service, self.params)
             await self.service.compile_grammars(self.params)
             for index, (ids, params, request_id) in enumerate(zip(self.prompts, self.params, self.request_ids)):
                 # A LoRA adapter's slot, held until the request ends (submit lets go of a refused one's).

@@ -260,14 +260,15 @@ class AnthropicMessage(BaseModel):
 
 
 class AnthropicTool(BaseModel):
-    """A client tool (Anthropic's `custom`, the default type); hosted tools carry other types."""
+    """A client tool (Anthropic's `custom`, the default type); hosted tools carry other types and
+    no `input_schema`, which is checked once the type is known, so that they are refused by name."""
 
     model_config = ConfigDict(extra="ignore")
 
     type: str | None = None
     name: str
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: dict[str, Any] | None = None
 
 
 class AnthropicToolChoice(BaseModel):

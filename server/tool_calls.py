@@ -141,7 +141,16 @@ def _call(body: str, key: str) -> ToolCall | None:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    arguments = value.get(key, value.get("arguments", value.get("parameters", {})))
+    arguments = value.get(key, value.get("arguments", value.get("parameters")))
+    if arguments is None:  # a call of a function without parameters
+        arguments = {}
+    if isinstance(arguments, str):  # the object written out as JSON text, as OpenAI's API carries it
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):  # a call's arguments are an object (Anthropic's `input` must be)
+        return None
     return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False), f"call_{uuid.uuid4().hex[:24]}")
 
 

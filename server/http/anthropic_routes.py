@@ -85,8 +85,14 @@ def as_chat(body: AnthropicCountTokensRequest) -> ChatCompletionRequest:
     if thinking is not None:
         fields["chat_template_kwargs"] = {"enable_thinking": thinking.type != "disabled"}
         fields["include_reasoning"] = thinking.display != "omitted"
-    # The last message an assistant's: the reply goes on from it, as Anthropic's prefill does.
+    # The last message an assistant's: the reply goes on from it, as Anthropic's prefill does. One
+    # with nothing to go on from (no text, no calls) is the optional empty final message Anthropic's
+    # API accepts: the reply is a new turn.
     continuing = body.messages[-1].role == "assistant"
+    if continuing and len(messages) > 1 and not (messages[-1].content or "").strip() and \
+            not getattr(messages[-1], "tool_calls", None):
+        messages.pop()
+        continuing = False
     fields.update(add_generation_prompt=not continuing, continue_final_message=continuing)
     if isinstance(body, AnthropicMessagesRequest):
         fields.update(max_tokens=body.max_tokens, stop=body.stop_sequences, temperature=body.temperature,
@@ -140,6 +146,8 @@ def chat_tools(body: AnthropicCountTokensRequest) -> list[dict] | None:
             raise InvalidRequestError(f"tools.{index}: {tool.type!r} is one of Anthropic's hosted tools, which this "
                                       "server does not run; declare client tools (name, description, "
                                       "input_schema)", param="tools")
+        if tool.input_schema is None:
+            raise InvalidRequestError(f"tools.{index}.input_schema: Field required", param="tools")
         function = {"name": tool.name, "parameters": tool.input_schema}
         if tool.description is not None:
             function["description"] = tool.description

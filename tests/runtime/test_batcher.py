@@ -120,6 +120,11 @@ def test_eos_stop_tokens_stop_strings_and_n(fake_model_dir):
             [cut] = await collect(service, p, dataclasses.replace(GREEDY, stop=[needle]))
             assert cut["finish"] == "stop" and cut["stop"] == needle
             assert cut["text"] == plain["text"][: plain["text"].find(needle)]
+            # min_tokens holds back stop strings as it holds back end tokens: none ends the text early.
+            early = len(plain["ids"]) - 1
+            [held] = await collect(service, p, dataclasses.replace(GREEDY, stop=[needle], min_tokens=early))
+            assert len(held["ids"]) >= early and held["text"].startswith(plain["text"][: plain["text"].find(needle)])
+            assert len(held["text"]) > plain["text"].find(needle)
         # n > 1 greedy: the same tokens on every sequence, the prompt computed once.
         outs = await collect(service, p, dataclasses.replace(GREEDY, n=3))
         assert [o["ids"] for o in outs] == [want] * 3

@@ -116,10 +116,10 @@ def test_each_step_decodes_a_small_window(tok):
 # --- StopChecker ---------------------------------------------------------------------
 
 
-def feed_all(checker: StopChecker, chunks) -> tuple[list[str], bool]:
+def feed_all(checker: StopChecker, chunks, may_stop: bool = True) -> tuple[list[str], bool]:
     out, stopped = [], False
     for c in chunks:
-        emit, stopped = checker.feed(c)
+        emit, stopped = checker.feed(c, may_stop)
         out.append(emit)
         if stopped:
             break
@@ -211,6 +211,14 @@ def test_a_stop_that_completes_first_wins_over_one_that_started_earlier():
     assert feed_all(c, ["a", "b", "c"]) == (["", "a"], True) and c.matched == "b"
     c = StopChecker(["abc", "b"])
     assert feed_all(c, ["abc"]) == (["a"], True)  # the same, however the text is split
+
+
+def test_a_stop_completed_before_it_may_stop_is_text_and_one_begun_there_still_ends_it():
+    c = StopChecker(["ab"])
+    assert feed_all(c, ["xab", "a"], may_stop=False) == (["x", "ab"], False)  # the last "a" may begin one
+    assert c.feed("bc") == ("", True) and c.matched == "ab" and c.text == "xab"
+    c = StopChecker(["ab"])
+    assert feed_all(c, ["ab"], may_stop=False) == ([""], False) and c.finish() == "ab"
 
 
 def test_thousands_of_stop_strings_match_like_one():

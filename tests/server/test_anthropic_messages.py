@@ -217,6 +217,14 @@ def test_prefill_and_structured_output(served):
     prefilled = ask(served, "", messages=[{"role": "user", "content": "What is the capital of France?"},
                                           {"role": "assistant", "content": "The capital of France"}])
     assert prefilled.content[0].text == " is Paris."
+    # An empty final assistant message, which Anthropic's API accepts, prefills nothing: a new turn.
+    question = {"role": "user", "content": "What is the capital of France?"}
+    for empty in ("", [], [{"type": "text", "text": ""}], [{"type": "thinking", "thinking": "Easy.", "signature": "s"}]):
+        reply = ask(served, "", messages=[question, {"role": "assistant", "content": empty}])
+        assert reply.content[0].text == REPLIES["capital of France"] and reply.stop_reason == "end_turn", empty
+    with client(served) as sdk:
+        assert sdk.messages.count_tokens(model="fake", messages=[question, {"role": "assistant", "content": ""}]) \
+            .input_tokens == sdk.messages.count_tokens(model="fake", messages=[question]).input_tokens
     shaped = ask(served, "Describe Bo", output_config={"format": {"type": "json_schema", "schema": PERSON}})
     assert json.loads(shaped.content[0].text) == {"name": "Bo", "age": 7}
 
@@ -240,6 +248,14 @@ def test_errors_are_anthropics_shape(served):
     hosted = refused({"model": "fake", "max_tokens": 5, "messages": user,
                       "tools": [{"type": "web_search_20250305", "name": "web_search", "input_schema": {}}]})
     assert "hosted" in hosted["message"] and hosted["type"] == "invalid_request_error"
+    for tool in ({"type": "web_search_20250305", "name": "web_search", "max_uses": 5},  # as the SDK sends it
+                 {"type": "bash_20250124", "name": "bash"}):
+        hosted = refused({"model": "fake", "max_tokens": 5, "messages": user, "tools": [tool]})["message"]
+        assert f"'{tool['type']}' is one of Anthropic's hosted tools" in hosted, hosted
+    assert "tools.0.input_schema: Field required" in refused(
+        {"model": "fake", "max_tokens": 5, "messages": user, "tools": [{"name": "f"}]})["message"]
+    assert "tools.0.input_schema" in refused({"model": "fake", "max_tokens": 5, "messages": user,
+                                              "tools": [{"name": "f", "input_schema": None}]})["message"]
     assert "given twice" in refused({"model": "fake", "max_tokens": 5, "messages": user,
                                      "tools": [WEATHER, WEATHER]})["message"]
     endless_schema = {"format": {"type": "json_schema", "schema": {"$ref": "#"}}}

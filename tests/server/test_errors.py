@@ -190,6 +190,30 @@ def test_full_queue_answers_503(fake_model_dir):
     asyncio.run(scenario())
 
 
+def test_a_request_larger_than_the_queue_is_a_400_not_busy(fake_model_dir):
+    """Sequences the queue could never hold at once (prompts times n) are the client's to cut,
+    not a 503 to retry forever; what fits still runs."""
+    async def scenario():
+        config = ServiceConfig(Artifacts.in_directory(fake_model_dir), max_queue=4)
+        service = await GenerateService(config, program_factory=FakeProgram).start()
+        app = create_app(service, ServerSettings(served_model_names=("tiny",)))
+        try:
+            response = await in_process(app, "POST", "/v1/completions",
+                                        json={"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 1})
+            assert_openai_error(response, 400, "6 sequences", param="n")
+            response = await in_process(app, "POST", "/generate",
+                                        json={"text": "hi", "sampling_params": {"n": 5, "max_completion_tokens": 1}})
+            assert response.status_code == 400 and "--max-queue" in response.json()["error"]
+            response = await in_process(app, "POST", "/generate",
+                                        json={"text": ["a", "b"], "sampling_params": {"n": 2, "max_completion_tokens": 1}})
+            assert response.status_code == 200, response.text
+            assert service.cache.stats().active == 0
+        finally:
+            await service.stop(0)
+
+    asyncio.run(scenario())
+
+
 def test_a_model_that_cannot_load_exits_1(start_server, tmp_path):
     server = start_server("--artifacts", tmp_path, ready=False)
     assert server.process.wait(60) == 1

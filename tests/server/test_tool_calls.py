@@ -38,6 +38,21 @@ def test_hermes_and_llama3_calls_are_parsed():
     assert parse("<tool_call>{broken</tool_call>", "hermes")[1] == []
 
 
+def test_arguments_written_as_json_text_are_the_object_and_others_no_call():
+    """Models trained on OpenAI's wire format write the arguments as a JSON string: they are
+    sent once encoded (not a string of a string), and arguments that are no object make no call."""
+    quoted = '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}</tool_call>'
+    [call] = parse(quoted, "hermes")[1]
+    assert json.loads(call.arguments) == {"city": "Paris"}
+    [call] = parse('{"name": "get_time", "parameters": "{\\"zone\\": 2}"}', "llama3_json")[1]
+    assert json.loads(call.arguments) == {"zone": 2}
+    [call] = parse('<tool_call>{"name": "get_time", "arguments": null}</tool_call>', "hermes")[1]
+    assert call.arguments == "{}"
+    for arguments in ('"Paris"', '[1, 2]', '3', 'true', '"{not json"'):
+        text = f'<tool_call>{{"name": "get_weather", "arguments": {arguments}}}</tool_call>'
+        assert parse(text, "hermes") == (text, []), arguments
+
+
 def test_streaming_holds_back_only_what_may_be_a_call():
     stream = StreamedContent("hermes")
     sent = [stream.feed(piece) for piece in ("Sure", ", one moment <tool", '_call>{"name": "get_time", ',
