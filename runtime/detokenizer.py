@@ -114,12 +114,17 @@ class StopChecker:
     back whatever could still be the start of one. The work per character does not grow with
     the number of stop strings.
 
+    With `include_stop` (vLLM's include_stop_str_in_output) the text ends with the stop string
+    instead of before it, so nothing needs holding back: text that may begin one is part of
+    the output either way.
+
         emit, stopped = checker.feed(delta)   # stream `emit`; on `stopped`, finish the sequence
         tail = checker.finish()               # at the end without a stop: the held text
     """
 
-    def __init__(self, stop: Sequence[str] = ()):
+    def __init__(self, stop: Sequence[str] = (), include_stop: bool = False):
         self.stop = [s for s in stop if s]
+        self.include_stop = include_stop
         self.stopped = False
         self.matched: str | None = None  # the stop string that ended the text
         self._automaton = _StopAutomaton(self.stop) if self.stop else None
@@ -129,7 +134,8 @@ class StopChecker:
 
     @property
     def text(self) -> str:
-        """All text released so far: the output cut right before the stop string, once stopped."""
+        """All text released so far: once stopped, the output cut right before the stop string
+        (right after it, with `include_stop`)."""
         return "".join(self._chunks)
 
     def feed(self, delta: str, may_stop: bool = True) -> tuple[str, bool]:
@@ -141,8 +147,8 @@ class StopChecker:
         automaton = self._automaton
         if automaton is None:
             return self._emit(delta), False
-        # `_held` is exactly the text the automaton's state stands for: a match ends in
-        # `delta` and starts inside `buf`.
+        # Unless the stop string is included, `_held` is exactly the text the automaton's state
+        # stands for: a match ends in `delta` and starts inside `buf`.
         buf = self._held + delta
         state = self._state
         for offset, ch in enumerate(delta):
@@ -151,9 +157,9 @@ class StopChecker:
             if found is not None and may_stop:  # the first stop string to complete (the longest, if several)
                 end = len(self._held) + offset + 1
                 self.stopped, self.matched, self._held = True, found, ""
-                return self._emit(buf[: end - len(found)]), True
+                return self._emit(buf[: end if self.include_stop else end - len(found)]), True
         self._state = state
-        hold = automaton.depth[state]
+        hold = 0 if self.include_stop else automaton.depth[state]
         self._held = buf[len(buf) - hold :] if hold else ""
         return self._emit(buf[: len(buf) - hold]), False
 

@@ -41,8 +41,8 @@ class Finish:
 
 @dataclass(frozen=True)
 class TakenToken:
-    """One token taken: the text it releases (a stop string and what follows it held back),
-    and the sequence's end if it ends here."""
+    """One token taken: the text it releases (what follows a stop string held back, and the
+    stop string too unless the request includes it), and the sequence's end if it ends here."""
 
     text: str
     finish: Finish | None
@@ -55,7 +55,7 @@ class _TextState:
         params = seq.params
         self.detokenizer = IncrementalDetokenizer(tokenizer, seq.prompt_ids,
                                                   skip_special_tokens=params.skip_special_tokens)
-        self.stop_checker = StopChecker(params.stop)
+        self.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
 
 
 class Stopping:

@@ -71,6 +71,8 @@ class SamplingParams:
     n: int = 1
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # vLLM's: the stop string that ends the text stays at its end (an end token never does).
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; k = the chosen token's logprob and k alternatives
     # None = off; k = each prompt token's logprob (the first has none) and k alternatives.
@@ -186,6 +188,9 @@ class SamplingParams:
                                       f"{MAX_STOP_TOKEN_IDS}", param="stop_token_ids")
         for t in self.stop_token_ids:
             _integer("stop_token_ids", t, low=0, high=None if vocab_size is None else vocab_size - 1)
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise InvalidRequestError(f"include_stop_str_in_output must be a bool, got "
+                                      f"{shown(self.include_stop_str_in_output)}", param="include_stop_str_in_output")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be a bool, got {shown(self.ignore_eos)}", param="ignore_eos")
         if self.logprobs is not None:

@@ -118,6 +118,7 @@ def openai_params(body: OpenAISampling, max_tokens: int, logprobs: int | None = 
         n=body.n,
         stop=body.stop,
         stop_token_ids=body.stop_token_ids,
+        include_stop_str_in_output=body.include_stop_str_in_output,
         seed=body.seed,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,

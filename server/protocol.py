@@ -72,6 +72,7 @@ class OpenAISampling(DiffusionFields):
     ignore_eos: bool = False
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
     speculative: bool = True  # False: no speculative decoding for this request
@@ -101,6 +102,7 @@ class CompletionRequest(OpenAISampling):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # tool_calls, tool_call_id... reach the template
 
+    # Any role, as vLLM takes it: a chat template may have its own (Llama 3's `ipython`).
     role: str
     content: str | list[Any] | None = None
     name: str | None = None

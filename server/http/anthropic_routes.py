@@ -5,9 +5,10 @@ A request becomes the chat request it amounts to and runs through /v1/chat/compl
 planning (the chat template, tools and the grammar of a forced call, structured output, reasoning),
 so the two routes render, sample and parse a conversation alike; only the shapes differ:
 - `system` (a string or text blocks) is a system message first;
-- a user's `tool_result` blocks are `tool` messages (before the user's text), an assistant's
-  `tool_use` blocks its `tool_calls`, as chat templates expect them; earlier `thinking` blocks are
-  left out, as chat templates leave earlier turns' thinking out;
+- a user's `tool_result` blocks are `tool` messages (before the user's text), each answering a
+  `tool_use` block of an earlier assistant message, whose `tool_use` blocks are its `tool_calls`,
+  as chat templates expect them; earlier `thinking` blocks are left out, as chat templates
+  leave earlier turns' thinking out;
 - a final assistant message is continued (Anthropic's prefill), as continue_final_message does;
 - tools' `input_schema` are function parameters; tool_choice auto/any/tool/none is
   auto/required/named/none, so `any` and `tool` force a call by grammar;
@@ -53,6 +54,8 @@ async def create_message(body: AnthropicMessagesRequest, request: Request):
     admit(state.service, state.settings, body.model)
     if body.temperature is not None and not 0 <= body.temperature <= 1:
         raise InvalidRequestError(f"temperature must be in [0, 1], got {body.temperature}", param="temperature")
+    if body.top_k is not None and body.top_k < 0:  # 0, as unset, cuts nothing
+        raise InvalidRequestError(f"top_k must be >= 0, got {body.top_k}", param="top_k")
     message_id = f"msg_{uuid.uuid4().hex}"
     with fields_named(_OWN_NAMES):
         run = await plan_chat(state.service, state.settings, as_chat(body), fit_context=True)
@@ -78,8 +81,9 @@ def as_chat(body: AnthropicCountTokensRequest) -> ChatCompletionRequest:
     messages = []
     if body.system is not None and (system := text_of(body.system)):
         messages.append(ChatMessage(role="system", content=system))
+    called: set[str] = set()  # the ids of the tool_use blocks met so far
     for index, message in enumerate(body.messages):
-        messages += chat_messages(message, index)
+        messages += chat_messages(message, index, called)
     fields: dict = {"tools": chat_tools(body), "tool_choice": chat_tool_choice(body), "chat_template_kwargs": None}
     thinking = body.thinking
     if thinking is not None:
@@ -105,9 +109,10 @@ def text_of(content: list[AnthropicText] | str) -> str:
     return content if isinstance(content, str) else "\n".join(block.text for block in content)
 
 
-def chat_messages(message: AnthropicMessage, index: int) -> list[ChatMessage]:
+def chat_messages(message: AnthropicMessage, index: int, called: set[str]) -> list[ChatMessage]:
     """One Anthropic message as chat messages: a user's tool results first, each a `tool`
-    message; an assistant's text and its calls as one message."""
+    message; an assistant's text and its calls as one message. `called` holds the ids of the
+    earlier messages' calls, which a result must answer, and takes this message's."""
     if isinstance(message.content, str):
         return [ChatMessage(role=message.role, content=message.content)]
     texts, calls, results = [], [], []
@@ -119,12 +124,16 @@ def chat_messages(message: AnthropicMessage, index: int) -> list[ChatMessage]:
             if message.role != "assistant":
                 raise InvalidRequestError(f"{where}: tool_use blocks belong in the assistant's messages",
                                           param="messages")
+            called.add(block.id)
             calls.append({"id": block.id, "type": "function",
                           "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}})
         elif isinstance(block, AnthropicToolResult):
             if message.role != "user":
                 raise InvalidRequestError(f"{where}: tool_result blocks belong in the user's messages",
                                           param="messages")
+            if block.tool_use_id not in called:  # as Anthropic's: a result answers a call made before it
+                raise InvalidRequestError(f"{where}: tool_use_id {block.tool_use_id!r} matches no tool_use block of "
+                                          "an earlier assistant message", param="messages")
             result = text_of(block.content)  # a failed call's result says so: templates have no field for it
             results.append(ChatMessage(role="tool", tool_call_id=block.tool_use_id,
                                        content=f"Error: {result}" if block.is_error else result))

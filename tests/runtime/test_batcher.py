@@ -113,6 +113,10 @@ def test_eos_stop_tokens_stop_strings_and_n(fake_model_dir):
         # A stop token: the token ends the output and is reported, not shown.
         [out] = await collect(service, p, dataclasses.replace(GREEDY, stop_token_ids=[want[3]]))
         assert out["ids"] == want[:4] and out["finish"] == "stop" and out["stop"] == want[3]
+        # include_stop_str_in_output is about stop strings: a stop token stays out of the text.
+        [kept] = await collect(service, p, dataclasses.replace(GREEDY, stop_token_ids=[want[3]],
+                                                               include_stop_str_in_output=True))
+        assert kept == out
         # A stop string cut out of the text: found in the plain output, then asked for.
         [plain] = await collect(service, p, GREEDY)
         needle = plain["text"][len(plain["text"]) // 2:][:2]
@@ -120,6 +124,11 @@ def test_eos_stop_tokens_stop_strings_and_n(fake_model_dir):
             [cut] = await collect(service, p, dataclasses.replace(GREEDY, stop=[needle]))
             assert cut["finish"] == "stop" and cut["stop"] == needle
             assert cut["text"] == plain["text"][: plain["text"].find(needle)]
+            # Asked for, the stop string stays at the end of the text.
+            [kept] = await collect(service, p, dataclasses.replace(GREEDY, stop=[needle],
+                                                                   include_stop_str_in_output=True))
+            assert kept["finish"] == "stop" and kept["stop"] == needle
+            assert kept["text"] == plain["text"][: plain["text"].find(needle) + len(needle)]
             # min_tokens holds back stop strings as it holds back end tokens: none ends the text early.
             early = len(plain["ids"]) - 1
             [held] = await collect(service, p, dataclasses.replace(GREEDY, stop=[needle], min_tokens=early))

@@ -188,22 +188,37 @@ def test_stop_on_a_split_multibyte_character(tok):
     assert out[-1][1]
 
 
-def test_matches_a_reference_on_random_chunkings():
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_matches_a_reference_on_random_chunkings(include_stop):
     rng = random.Random(0)
     for _ in range(2000):
         text = "".join(rng.choice("ab\nc") for _ in range(rng.randint(0, 30)))
         stops = ["".join(rng.choice("ab\nc") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
-        # The text stops where the first stop string completes (the longest, if several end there).
+        # The text stops where the first stop string completes (the longest, if several end there),
+        # before it or, included, after it.
         hits = [(i + len(s), -len(s)) for s, i in ((s, text.find(s)) for s in stops) if i >= 0]
         end, minus_length = min(hits) if hits else (len(text), 0)
-        expected = text[: end + minus_length]
+        expected = text[: end if include_stop else end + minus_length]
         cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 10))))
         chunks = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
-        c = StopChecker(stops)
+        c = StopChecker(stops, include_stop)
         out, stopped = feed_all(c, chunks)
         tail = c.finish()
         assert "".join(out) + tail == expected == c.text, (text, stops, chunks)
         assert stopped == bool(hits)
+
+
+def test_an_included_stop_string_ends_the_text_and_nothing_waits_for_it():
+    c = StopChecker(["\n\nUser"], include_stop=True)
+    assert c.feed("Hi\n") == ("Hi\n", False)  # it may begin the stop string: output either way
+    assert c.feed("\nUs") == ("\nUs", False)
+    assert c.feed("er: more") == ("er", True) and c.matched == "\n\nUser"
+    assert c.text == "Hi\n\nUser" and c.finish() == ""
+    c = StopChecker(["cat", "at the"], include_stop=True)
+    assert feed_all(c, ["the c", "at the mat"]) == (["the c", "at"], True)
+    c = StopChecker(["ab"], include_stop=True)  # before min_tokens, a stop string is text here too
+    assert feed_all(c, ["xab", "a"], may_stop=False) == (["xab", "a"], False)
+    assert c.feed("bc") == ("b", True) and c.text == "xabab"
 
 
 def test_a_stop_that_completes_first_wins_over_one_that_started_earlier():

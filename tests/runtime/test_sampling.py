@@ -87,6 +87,7 @@ def test_from_kwargs_rejects_unknown_names():
         (dict(min_tokens=-1), "min_tokens"),
         (dict(min_tokens=20, max_tokens=10), "min_tokens"),
         (dict(ignore_eos="yes"), "ignore_eos"),
+        (dict(include_stop_str_in_output="yes"), "include_stop_str_in_output"),
         (dict(stop=[f"s{i}" for i in range(65)]), "stop"),
         (dict(stop=["x" * 513]), "stop"),
         (dict(stop_token_ids=list(range(257))), "stop_token_ids"),

@@ -276,6 +276,44 @@ def test_errors_are_anthropics_shape(served):
         sdk.messages.create(model="fake", max_tokens=5, messages=user)
 
 
+def post(url: str, body: dict, route: str = "/v1/messages") -> httpx.Response:
+    return httpx.post(url + route, headers={"x-api-key": KEY}, timeout=30,
+                      json={"model": "fake", **({"max_tokens": 5} if route == "/v1/messages" else {}), **body})
+
+
+def bad_request(url: str, body: dict, route: str = "/v1/messages") -> str:
+    """The message of the 400, in Anthropic's shape, that `body` gets."""
+    answer = post(url, body, route)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()
+    assert error == {"type": "error", "error": {"type": "invalid_request_error", "message": error["error"]["message"]}}
+    return error["error"]["message"]
+
+
+def test_a_tool_result_must_answer_an_earlier_call(served):
+    question = {"role": "user", "content": "What is the weather in Paris?"}
+    call = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                              "input": {"city": "Paris", "unit": "c"}}]}
+
+    def result(call_id: str) -> dict:
+        return {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id, "content": "21 degrees"}]}
+
+    for route in ("/v1/messages", "/v1/messages/count_tokens"):
+        message = bad_request(served, {"tools": [WEATHER], "messages": [question, call, result("toolu_2")]}, route)
+        assert message.startswith("messages.2.content.0: tool_use_id 'toolu_2' matches no tool_use block"), message
+        message = bad_request(served, {"tools": [WEATHER], "messages": [result("toolu_1")]}, route)
+        assert message.startswith("messages.0.content.0: tool_use_id 'toolu_1'"), message
+        assert post(served, {"tools": [WEATHER], "messages": [question, call, result("toolu_1")]}, route) \
+            .status_code == 200
+
+
+def test_top_k_must_not_be_negative(served):
+    user = [{"role": "user", "content": "What is the capital of France?"}]
+    for top_k in (-1, -7):
+        assert bad_request(served, {"messages": user, "top_k": top_k}) == f"top_k must be >= 0, got {top_k}"
+    answer = post(served, {"messages": user, "top_k": 0, "temperature": 0, "max_tokens": 200})
+    assert answer.status_code == 200 and answer.json()["content"][0]["text"] == REPLIES["capital of France"]
+
 def test_langchain_chat_anthropic(served):
     """LangChain's ChatAnthropic, unchanged: an answer, a stream, and a tool call it binds."""
     from langchain_anthropic import ChatAnthropic

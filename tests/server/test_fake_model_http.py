@@ -169,6 +169,40 @@ def test_stop_lists_are_bounded(client):
     assert answer.status_code == 200
 
 
+def streamed_text(client, path: str, body: dict) -> tuple[str, str]:
+    """An OpenAI stream's text, joined, and its finish reason."""
+    text, finish = "", None
+    with client.stream("POST", path, json={**body, "stream": True}) as answer:
+        for line in answer.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line.removeprefix("data: "))["choices"]:
+                    text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                    finish = choice["finish_reason"] or finish
+    return text, finish
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": [5, 9, 13, 40]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+])
+def test_include_stop_str_in_output_keeps_the_stop_string(client, path, body):
+    def text(answer) -> str:
+        choice = answer.json()["choices"][0]
+        return choice["text"] if path == "/v1/completions" else choice["message"]["content"]
+
+    body = {**body, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    plain = text(client.post(path, json=body))
+    needle = plain[len(plain) // 2:][:2]
+    assert needle.strip(), plain
+    cut = plain.find(needle)
+    stopped = {**body, "stop": [needle]}
+    assert text(client.post(path, json=stopped)) == plain[:cut]
+    included = {**stopped, "include_stop_str_in_output": True}
+    answer = client.post(path, json=included)
+    assert text(answer) == plain[:cut + len(needle)] and answer.json()["choices"][0]["finish_reason"] == "stop"
+    assert streamed_text(client, path, included) == (plain[:cut + len(needle)], "stop")
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/generate"])
 def test_a_body_that_is_not_utf8_is_a_400_that_says_so(client, path):
     answer = client.post(path, content=b'{"prompt": "\xff\xfe", "text": "\xff"}',
