@@ -14,6 +14,7 @@ from kiln.runtime.errors import ModelLoadError
 
 FULL, SLIDING = "full_attention", "sliding_attention"  # LlamaConfig.layer_types' values, HF's names
 ACTIVATIONS = ("silu", "gelu_tanh")
+ROPE_SCALINGS = ("default", "linear", "llama3", "yarn", "longrope", "su")  # rope_scaling's rope_type values
 
 
 @dataclass
@@ -28,6 +29,7 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
+    rotary_dim: int = 0  # the leading dimensions of each head that rotate (Phi-4-mini: 3/4); 0: all
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
@@ -43,6 +45,8 @@ class LlamaConfig:
     logits_shift: int = 0
     # How a family departs from Llama's layer (each family's reader in registry.py sets these):
     qk_norm: bool = False  # an RMSNorm over each head's q and k before the rotary (Qwen3, Gemma 3)
+    qk_norm_whole: bool = False  # that norm over the whole q and k projections, every head at once (OLMo 2)
+    pre_norms: bool = True  # a norm before attention and before the MLP (OLMo 2 norms only their outputs)
     hidden_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     embedding_multiplier: float = 1.0  # the embeddings' scale on the way in (Gemma: √hidden)
     query_pre_attn_scalar: float | None = None  # scores are scaled by its -1/2 power; None: head_dim's
@@ -52,6 +56,9 @@ class LlamaConfig:
     sliding_window: int | None = None  # how many keys a local layer's query sees, its own included
     layer_types: list[str] = field(default_factory=list)  # per layer, FULL or SLIDING; [] is all FULL
     rope_local_theta: float | None = None  # local layers' rotary base, unscaled (Gemma 3); None: as global
+    unrotated_layers: list[int] = field(default_factory=list)  # layers whose q and k take no rotary (SmolLM3's NoPE)
+    residual_multiplier: float = 1.0  # attention's and the MLP's outputs scaled as they join the residual (Granite)
+    logits_scaling: float = 1.0  # the logits divided by it (Granite)
     # Mixture of experts (Mixtral, Qwen3-MoE): each token's MLP is the weighted sum of the
     # `num_experts_per_tok` experts its router scores highest, of `num_experts` (0: a dense MLP).
     num_experts: int = 0
@@ -75,6 +82,21 @@ class LlamaConfig:
     def __post_init__(self):
         if not self.head_dim:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if not self.rotary_dim:
+            self.rotary_dim = self.head_dim
+        if not 0 < self.rotary_dim <= self.head_dim or (self.rotary_dim < self.head_dim and self.rotary_dim % 2):
+            raise ModelLoadError(f"{self.rotary_dim} rotary dimensions do not fit a head of {self.head_dim} "
+                                 "(pairs of them, at most the head's)")
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type", scaling.get("type", "default")) not in ROPE_SCALINGS:
+            raise ModelLoadError(f"rope scaling {scaling.get('rope_type', scaling.get('type'))!r} is not supported: "
+                                 f"Kiln runs {', '.join(ROPE_SCALINGS[:-1])}")
+        if self.qk_norm_whole and not self.qk_norm:
+            raise ModelLoadError("qk_norm_whole says how the q/k norm spans the heads: it needs qk_norm")
+        if not (self.pre_norms or self.sandwich_norms):
+            raise ModelLoadError("a layer without norms before attention and the MLP needs them after (sandwich_norms)")
+        if self.sandwich_norms and self.residual_multiplier != 1.0:
+            raise ModelLoadError("a residual multiplier with sandwich norms: no family has both")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelLoadError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -93,6 +115,8 @@ class LlamaConfig:
                                      f"{self.num_hidden_layers} layers, not {self.layer_types}")
             if SLIDING in self.layer_types and not self.sliding_window:
                 raise ModelLoadError("sliding-attention layers need a positive sliding_window")
+            if SLIDING not in self.layer_types:
+                self.layer_types = []  # every layer global, as a config without them says
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -17,7 +17,7 @@ from kiln.runtime.errors import ModelLoadError
 
 from .config import FULL, SLIDING, LlamaConfig
 from .hf_loader import hf_llama_config, hf_llama_tensors, llama_config
-from .lazy_arrays import LazyArrays, rows
+from .lazy_arrays import LazyArrays, renamed, rows
 
 # Gemma's turns: `model` for the assistant, a system message folded into the first user turn.
 GEMMA_CHAT_TEMPLATE = (
@@ -57,6 +57,80 @@ def qwen3_config(values: dict, name: str) -> LlamaConfig:
     return hf_llama_config(values, name, "qwen3", attention_bias=False, qk_norm=True)
 
 
+def smollm3_config(values: dict, name: str) -> LlamaConfig:
+    """SmolLM3: Llama's layer, with no rotary in every `no_rope_layer_interval`-th layer (NoPE;
+    `no_rope_layers` flags each layer, 1 where it rotates)."""
+    layers = int(values.get("num_hidden_layers", 0))
+    interval = int(values.get("no_rope_layer_interval") or 4)
+    rotates = values.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(rotates) != layers:
+        raise ModelLoadError(f"no_rope_layers has {len(rotates)} flags for {layers} layers")
+    return hf_llama_config(values, name, "smollm3", attention_bias=False,
+                           unrotated_layers=[i for i, rotary in enumerate(rotates) if not rotary])
+
+
+def smollm3_gguf_config(key, fields: dict) -> dict:
+    """A `smollm3` GGUF: every fourth layer without rotary, as llama.cpp takes it."""
+    return dict(unrotated_layers=[i for i in range(fields["num_hidden_layers"]) if (i + 1) % 4 == 0])
+
+
+def granite_config(values: dict, name: str) -> LlamaConfig:
+    """Granite (3.x, dense): Llama's layer with its embeddings, scores, sublayer outputs and logits
+    each scaled by a multiplier of the config's."""
+    return hf_llama_config(values, name, "granite", attention_bias=bool(values.get("attention_bias", False)),
+                           **_granite_scales(values.get("embedding_multiplier"), values.get("attention_multiplier"),
+                                             values.get("residual_multiplier"), values.get("logits_scaling")))
+
+
+def granite_gguf_config(key, fields: dict) -> dict:
+    """A `granite` GGUF: the multipliers as llama.cpp's converter names them (…_scale)."""
+    return _granite_scales(key("embedding_scale"), key("attention.scale"), key("residual_scale"), key("logit_scale"))
+
+
+def _granite_scales(embedding, attention, residual, logits) -> dict:
+    """Granite's four multipliers as LlamaConfig fields; a score multiplier m is a
+    query_pre_attn_scalar of m^-2 (scores are scaled by that scalar's -1/2 power)."""
+    return dict(embedding_multiplier=float(embedding or 1.0), residual_multiplier=float(residual or 1.0),
+                logits_scaling=float(logits or 1.0),
+                query_pre_attn_scalar=float(attention) ** -2 if attention else None)
+
+
+def olmo2_config(values: dict, name: str) -> LlamaConfig:
+    """OLMo 2 and 3: norms after attention and the MLP only (none before), and a q/k norm over the
+    whole projections; OLMo 3's sliding layers (`layer_types`) rotate on its base unscaled."""
+    config = hf_llama_config(values, name, "olmo2", attention_bias=False, qk_norm=True, qk_norm_whole=True,
+                             pre_norms=False, sandwich_norms=True)
+    if SLIDING in config.layer_types and config.rope_scaling and config.rope_local_theta is None:
+        config.rope_local_theta = config.rope_theta
+    return config
+
+
+def olmo2_gguf_config(key, fields: dict) -> dict:
+    """An `olmo2` GGUF (OLMo 3's too): where it sets a window, the layers its pattern flags (every
+    layer but each fourth, where it has none, as llama.cpp takes it) are sliding, on the unscaled base."""
+    window = key("attention.sliding_window")
+    if not window:
+        return dict(pre_norms=False, qk_norm_whole=True)
+    layers = fields["num_hidden_layers"]
+    pattern = key("attention.sliding_window_pattern") or [(i + 1) % 4 != 0 for i in range(layers)]
+    return dict(pre_norms=False, qk_norm_whole=True, sliding_window=int(window),
+                layer_types=[SLIDING if local else FULL for local in pattern],
+                rope_local_theta=float(key("rope.freq_base_swa", fields["rope_theta"])))
+
+
+# OLMo 2's names for its norms after attention and the MLP, and Kiln's.
+_OLMO2_NORMS = {"post_attention_layernorm": "attention_output_norm", "post_feedforward_layernorm": "mlp_output_norm"}
+
+
+def olmo2_tensors(tensors: Mapping, config: LlamaConfig) -> LazyArrays:
+    """OLMo 2's tensors in Kiln's names: its norms after attention and the MLP renamed."""
+    def kiln_name(name: str) -> str:
+        module = name.split(".")[-2] if "." in name else ""
+        return name.replace(f".{module}.", f".{_OLMO2_NORMS[module]}.") if module in _OLMO2_NORMS else name
+
+    return renamed(hf_llama_tensors(tensors), kiln_name)
+
+
 def phi3_config(values: dict, name: str) -> LlamaConfig:
     """Phi-3: Llama's layer with fused projections (phi3_tensors splits them), LongRoPE scaling,
     and a sliding window over every layer when config.json sets one (as transformers applies it)."""
@@ -93,9 +167,11 @@ def phi3_tensors(tensors: Mapping, config: LlamaConfig) -> LazyArrays:
     return out
 
 
-def _gemma_config(values: dict, name: str, architecture: str, layer_types: list[str], **decided) -> LlamaConfig:
-    """What Gemma 2 and 3 share: GeGLU, embeddings scaled by √hidden, norms before and after
-    attention and the MLP, scores scaled by query_pre_attn_scalar, local layers in `layer_types`."""
+def _gemma_config(values: dict, name: str, architecture: str, layer_types: list[str], sandwich: bool = True,
+                  **decided) -> LlamaConfig:
+    """What Gemmas share: GeGLU, embeddings scaled by √hidden, (1 + w) norms (gemma_tensors), scores
+    scaled by query_pre_attn_scalar, local layers in `layer_types`; from Gemma 2 (`sandwich`), norms
+    after attention and the MLP too."""
     return llama_config(
         values | {"layer_types": values.get("layer_types") or layer_types},
         name=name, architecture=architecture, attention_bias=bool(values.get("attention_bias", False)),
@@ -103,11 +179,25 @@ def _gemma_config(values: dict, name: str, architecture: str, layer_types: list[
         hidden_act=_activation(values, "gelu_pytorch_tanh"),
         embedding_multiplier=float(values["hidden_size"]) ** 0.5,
         query_pre_attn_scalar=values.get("query_pre_attn_scalar"),
-        sandwich_norms=True,
+        sandwich_norms=sandwich,
         attn_logit_softcapping=values.get("attn_logit_softcapping"),
         final_logit_softcapping=values.get("final_logit_softcapping"),
         **decided,
     )
+
+
+def gemma_config(values: dict, name: str) -> LlamaConfig:
+    """Gemma (and CodeGemma): every layer global, no norms after attention and the MLP. Its GeGLU is
+    the tanh GELU whatever an early config.json's `hidden_act: gelu` says (transformers then forced
+    it, and llama.cpp computes it so)."""
+    if values.get("hidden_act") == "gelu" and not values.get("hidden_activation"):
+        values = values | {"hidden_activation": "gelu_pytorch_tanh"}
+    return _gemma_config(values, name, "gemma", [], sandwich=False)
+
+
+def gemma_gguf_config(key, fields: dict) -> dict:
+    """What llama.cpp takes for granted in a `gemma` GGUF: GeGLU, embeddings scaled by √hidden."""
+    return dict(hidden_act="gelu_tanh", embedding_multiplier=float(fields["hidden_size"]) ** 0.5)
 
 
 def gemma2_config(values: dict, name: str) -> LlamaConfig:
@@ -181,12 +271,13 @@ _GEMMA_NORMS = {
 
 def gemma_tensors(tensors: Mapping, config: LlamaConfig) -> LazyArrays:
     """Gemma's tensors in Kiln's names, each norm's weight as the plain factor it scales by (1 + w),
-    as llama.cpp's converter stores them too."""
+    as llama.cpp's converter stores them too. (Gemma 1's norms are named as Llama's.)"""
     source, out = hf_llama_tensors(tensors), LazyArrays()
+    renames = _GEMMA_NORMS if config.sandwich_norms else {}
     for name in source:
         if name.endswith("norm.weight"):
             module = name.split(".")[-2]
-            kiln_name = name.removesuffix(f"{module}.weight") + _GEMMA_NORMS.get(module, module) + ".weight"
+            kiln_name = name.removesuffix(f"{module}.weight") + renames.get(module, module) + ".weight"
             out.add(kiln_name, source.shape(name), partial(_plus_one, source, name))
         else:
             out.add_from(source, name)

@@ -56,8 +56,8 @@ LAYER_NAMES = {
 # A mixture's experts, each a [E, rows, K] stack: GGUF name -> Kiln's parameter (no .weight).
 EXPERT_NAMES = {"ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
                 "ffn_down_exps": "mlp.experts.down_proj"}
-# Architectures whose q/k rows llama.cpp's converter permutes (its `LlamaModel`, Mixtral's too).
-PERMUTED_QK = ("llama", "mixtral")
+# Architectures whose q/k rows llama.cpp's converter permutes (its `LlamaModel` and those built on it).
+PERMUTED_QK = ("llama", "mixtral", "smollm3", "granite")
 # Turn-ending tokens llama.cpp also stops at, found by their text: a GGUF names no id for them
 # (Gemma's <end_of_turn>, Phi-3's <|end|>).
 END_OF_TURN_TEXTS = ("<end_of_turn>", "<|end|>")
@@ -230,9 +230,24 @@ def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
         raise ModelLoadError(f"{path}: corrupt GGUF metadata ({type(e).__name__}: {e})") from e
 
 
-def _config_from_metadata(
-    meta: dict[str, Any], tensor_names: set[str], name: str, embedding_rows: int = 0
-) -> LlamaConfig:
+def _yarn_scaling(key) -> dict[str, Any]:
+    """HF's YaRN `rope_scaling` from a GGUF's keys, as llama.cpp's converter wrote them from it (its
+    log multiplier is HF's `mscale_all_dim` over an `mscale` of 1)."""
+    if key("rope.scaling.yarn_ext_factor") not in (None, -1.0, 1.0):
+        raise ModelLoadError("a GGUF's YaRN with an extrapolation factor other than 1 is not supported")
+    scaling = {"rope_type": "yarn", "factor": float(key("rope.scaling.factor", required=True)),
+               "original_max_position_embeddings": int(key("rope.scaling.original_context_length", required=True))}
+    if log_multiplier := key("rope.scaling.yarn_log_multiplier"):
+        scaling |= {"mscale": 1.0, "mscale_all_dim": float(log_multiplier)}
+    for name, gguf_name in (("attention_factor", "yarn_attn_factor"), ("beta_fast", "yarn_beta_fast"),
+                            ("beta_slow", "yarn_beta_slow")):
+        if (value := key(f"rope.scaling.{gguf_name}")) is not None:
+            scaling[name] = float(value)
+    return scaling
+
+
+def _config_from_metadata(meta: dict[str, Any], tensor_rows: dict[str, int], name: str) -> LlamaConfig:
+    """`tensor_rows`: each tensor's name and its output rows (its first dimension as HF orders them)."""
     family = family_of_gguf(meta.get("general.architecture"))
     arch = family.gguf_architecture
     if family.name == "llama" and meta.get("llama.expert_count"):
@@ -251,16 +266,28 @@ def _config_from_metadata(
     n_kv = key("attention.head_count_kv", n_head)
     if isinstance(n_kv, list) or isinstance(n_head, list):
         raise ModelLoadError("per-layer head counts are not supported")
-    head_dim = int(key("attention.key_length", 0) or key("rope.dimension_count", 0) or hidden // n_head)
+    # The head's size as llama.cpp takes it: key_length where written, else as the query's rows
+    # divide among the heads (Phi-3 stores q, k and v as one), else hidden / heads. Fewer rotary
+    # dimensions than that is a partial rotary (Phi-4-mini).
+    query_rows = tensor_rows.get("blk.0.attn_q.weight", 0)
+    if "blk.0.attn_qkv.weight" in tensor_rows:
+        query_rows = tensor_rows["blk.0.attn_qkv.weight"] * n_head // (n_head + 2 * int(n_kv))
+    head_dim = int(key("attention.key_length", 0) or query_rows // n_head or hidden // n_head)
+    rotary_dim = int(key("rope.dimension_count", 0) or head_dim)
+    if rotary_dim != head_dim and family.name in PERMUTED_QK:
+        raise ModelLoadError(f"a {arch} GGUF rotating {rotary_dim} of a head's {head_dim} dimensions: llama.cpp "
+                             "permutes such a file's q and k for whole heads, which Kiln cannot undo")
     rope_theta = float(key("rope.freq_base", 10000.0))
 
     tokens = meta.get("tokenizer.ggml.tokens") or []
-    vocab_size = int(key("vocab_size", 0) or embedding_rows or len(tokens))
+    vocab_size = int(key("vocab_size", 0) or tensor_rows.get("token_embd.weight", 0) or len(tokens))
 
     rope_scaling = None
     scaling_type = key("rope.scaling.type")
     if scaling_type == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor", 1.0))}
+    elif scaling_type == "yarn":
+        rope_scaling = _yarn_scaling(key)
     elif scaling_type not in (None, "none"):
         raise ModelLoadError(f"GGUF rope scaling type {scaling_type!r} is not supported")
 
@@ -280,19 +307,20 @@ def _config_from_metadata(
         num_attention_heads=n_head,
         num_key_value_heads=int(n_kv),
         head_dim=head_dim,
+        rotary_dim=rotary_dim,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=int(key("context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias=any(n.endswith("attn_q.bias") for n in tensor_names),
+        tie_word_embeddings="output.weight" not in tensor_rows,
+        attention_bias=any(n.endswith("attn_q.bias") for n in tensor_rows),
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=eos_ids,
         architecture=family.name,
         model_kind=family.kind,
         name=str(meta.get("general.name") or name),
-        qk_norm=any(n.endswith("attn_q_norm.weight") for n in tensor_names),
-        sandwich_norms=any(n.endswith("post_attention_norm.weight") for n in tensor_names),
+        qk_norm=any(n.endswith("attn_q_norm.weight") for n in tensor_rows),
+        sandwich_norms=any(n.endswith("post_attention_norm.weight") for n in tensor_rows),
     )
     if experts := key("expert_count"):
         # A layer without a router is dense. llama.cpp renormalizes the chosen experts' weights for
@@ -301,7 +329,7 @@ def _config_from_metadata(
                        moe_intermediate_size=int(key("expert_feed_forward_length", 0)),
                        norm_topk_prob=bool(key("expert_weights_norm", True)),
                        dense_layers=[layer for layer in range(fields["num_hidden_layers"])
-                                     if f"blk.{layer}.ffn_gate_inp.weight" not in tensor_names])
+                                     if f"blk.{layer}.ffn_gate_inp.weight" not in tensor_rows])
     return LlamaConfig(**fields | family.config_from_gguf(key, fields))
 
 
@@ -382,9 +410,7 @@ def load_gguf(path: str | Path) -> Checkpoint:
         meta = {k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     except Exception as e:
         raise ModelLoadError(f"{path}: corrupt GGUF metadata ({type(e).__name__}: {e})") from e
-    tensor_names = {t.name for t in reader.tensors}
-    embedding_rows = next((int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight"), 0)
-    config = _config_from_metadata(meta, tensor_names, path.stem, embedding_rows)
+    config = _config_from_metadata(meta, {t.name: int(t.shape[-1]) for t in reader.tensors}, path.stem)
 
     quantization = stored_quantization([t.tensor_type.name for t in reader.tensors if len(t.shape) == 2])
     keep_blocks = quantization not in ("none", "bf16")
@@ -443,7 +469,7 @@ def load_gguf(path: str | Path) -> Checkpoint:
     if rope_freqs is not None:
         if config.rope_scaling is not None:
             raise ModelLoadError(f"{path}: both rope_freqs and {config.rope_scaling} rope scaling")
-        config.rope_scaling = _rope_scaling_from_freqs(rope_freqs, config.rope_theta, config.head_dim)
+        config.rope_scaling = _rope_scaling_from_freqs(rope_freqs, config.rope_theta, config.rotary_dim)
 
     _check_tensors(config, tensors, path)
     try:
@@ -543,9 +569,10 @@ def _check_tensors(config: LlamaConfig, tensors: LazyArrays, path: Path) -> None
             p + "self_attn.k_proj.weight": (kv_rows, c.hidden_size),
             p + "self_attn.v_proj.weight": (kv_rows, c.hidden_size),
             p + "self_attn.o_proj.weight": (c.hidden_size, q_rows),
-            p + "input_layernorm.weight": (c.hidden_size,),
-            p + "post_attention_layernorm.weight": (c.hidden_size,),
         }
+        if c.pre_norms:
+            expected |= {p + "input_layernorm.weight": (c.hidden_size,),
+                         p + "post_attention_layernorm.weight": (c.hidden_size,)}
         if c.is_moe(i):
             e, ff = c.num_experts, c.moe_intermediate_size
             expected |= {
@@ -561,7 +588,8 @@ def _check_tensors(config: LlamaConfig, tensors: LazyArrays, path: Path) -> None
                 p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
             }
         if c.qk_norm:
-            expected |= {p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)}
+            q_norm, k_norm = (q_rows, kv_rows) if c.qk_norm_whole else (c.head_dim, c.head_dim)
+            expected |= {p + "self_attn.q_norm.weight": (q_norm,), p + "self_attn.k_norm.weight": (k_norm,)}
         if c.sandwich_norms:
             expected |= {p + "attention_output_norm.weight": (c.hidden_size,),
                          p + "mlp_output_norm.weight": (c.hidden_size,)}

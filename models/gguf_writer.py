@@ -104,7 +104,7 @@ def write_gguf(checkpoint: Checkpoint, path: str | Path, dtype: str = "f32") -> 
     w.add_rope_freq_base(float(c.rope_theta))
     w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
     w.add_vocab_size(c.vocab_size)
-    w.add_rope_dimension_count(c.head_dim)
+    w.add_rope_dimension_count(c.rotary_dim)
     if c.head_dim != c.hidden_size // c.num_attention_heads:
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
@@ -123,6 +123,19 @@ def write_gguf(checkpoint: Checkpoint, path: str | Path, dtype: str = "f32") -> 
             w.add_expert_feed_forward_length(c.moe_intermediate_size)
     if c.sliding_window and c.layer_types:
         w.add_sliding_window(c.sliding_window)
+        if arch == "olmo2":
+            w.add_sliding_window_pattern([c.is_sliding(i) for i in range(c.num_hidden_layers)])
+            if c.rope_local_theta is not None:
+                w.add_rope_freq_base_swa(float(c.rope_local_theta))
+    if arch == "smollm3" and c.unrotated_layers != [i for i in range(c.num_hidden_layers) if (i + 1) % 4 == 0]:
+        raise ModelLoadError(f"cannot write layers {c.unrotated_layers} without rotary to GGUF: llama.cpp "
+                             "takes every fourth")
+    if arch == "granite":
+        w.add_embedding_scale(float(c.embedding_multiplier))
+        w.add_residual_scale(float(c.residual_multiplier))
+        w.add_logit_scale(float(c.logits_scaling))
+        if c.query_pre_attn_scalar is not None:
+            w.add_attention_scale(float(c.query_pre_attn_scalar) ** -0.5)
     if arch == "gemma2":
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
             if getattr(c, name) is not None:
@@ -144,10 +157,23 @@ def write_gguf(checkpoint: Checkpoint, path: str | Path, dtype: str = "f32") -> 
         w.add_rope_scaling_factor(float(scaling["factor"]))
     elif rope_type == "llama3":
         rope_freqs = llama3_rope_factors(
-            c.rope_theta, c.head_dim, float(scaling["factor"]),
+            c.rope_theta, c.rotary_dim, float(scaling["factor"]),
             float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0)),
             int(scaling.get("original_max_position_embeddings", 8192)),
         )
+    elif rope_type == "yarn":
+        if scaling.get("mscale", 1.0) != 1.0 or not scaling.get("truncate", True):
+            raise ModelLoadError(f"cannot write YaRN's {scaling} to GGUF: llama.cpp takes an mscale of 1, truncated")
+        original = scaling.get("original_max_position_embeddings") or c.max_position_embeddings
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(scaling.get("factor") or c.max_position_embeddings / original))
+        w.add_rope_scaling_orig_ctx_len(int(original))
+        for name, add in (("attention_factor", w.add_rope_scaling_yarn_attn_factor),
+                          ("beta_fast", w.add_rope_scaling_yarn_beta_fast), ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+            if scaling.get(name) is not None:
+                add(float(scaling[name]))
+        if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            w.add_rope_scaling_yarn_log_mul(float(scaling["mscale_all_dim"]))
     elif rope_type not in (None, "default"):
         raise ModelLoadError(f"cannot write rope scaling {scaling} to GGUF")
 
@@ -216,7 +242,8 @@ PHI3_FUSED = {"self_attn.q_proj.weight": ("attn_qkv", ("self_attn.q_proj.weight"
                                                        "self_attn.v_proj.weight")),
               "mlp.gate_proj.weight": ("ffn_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight"))}
 PHI3_FUSED_LATER = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.up_proj.weight")
-WRITTEN_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma2")
+WRITTEN_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma", "gemma2", "smollm3", "granite",
+                         "olmo2")
 
 
 def _tensor_order(name: str):

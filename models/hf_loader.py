@@ -44,10 +44,11 @@ def hf_llama_config(values: dict, name: str, architecture: str, attention_bias: 
                         attention_bias=values.get("attention_bias", attention_bias), **decided)
 
 
-def rope_settings(values: dict) -> dict:
-    """rope_theta, rope_scaling and rope_local_theta from config.json: top-level `rope_theta` and
-    `rope_scaling` (how checkpoints on the Hub write them), or transformers 5's `rope_parameters`,
-    one dict or one per layer type (Gemma 3: its full and sliding layers' bases)."""
+def rope_settings(values: dict, head_dim: int) -> dict:
+    """rope_theta, rope_scaling, rotary_dim and rope_local_theta from config.json: top-level
+    `rope_theta`, `rope_scaling` and `partial_rotary_factor` (how checkpoints on the Hub write them),
+    or transformers 5's `rope_parameters`, one dict or one per layer type (Gemma 3: its full and
+    sliding layers' bases)."""
     parameters = values.get("rope_parameters")
     local_theta = values.get("rope_local_base_freq")
     if isinstance(parameters, dict) and FULL in parameters:
@@ -58,14 +59,12 @@ def rope_settings(values: dict) -> dict:
         scaling = {k: v for k, v in parameters.items() if k not in ("rope_theta", "partial_rotary_factor")}
     else:
         theta, scaling = values.get("rope_theta", 10000.0), dict(values.get("rope_scaling") or {})
-    partial = (parameters or {}).get("partial_rotary_factor", values.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ModelLoadError(f"config.json's partial_rotary_factor {partial}: Kiln rotates whole heads only")
+    partial = (parameters or {}).get("partial_rotary_factor", values.get("partial_rotary_factor")) or 1.0
     if scaling.get("rope_type", scaling.get("type")) in (None, "default"):
         scaling = {}
     elif "original_max_position_embeddings" in values:  # Phi-3 keeps it beside, not inside
         scaling.setdefault("original_max_position_embeddings", values["original_max_position_embeddings"])
-    return dict(rope_theta=float(theta), rope_scaling=scaling or None,
+    return dict(rope_theta=float(theta), rope_scaling=scaling or None, rotary_dim=int(head_dim * float(partial)),
                 rope_local_theta=None if local_theta is None else float(local_theta))
 
 
@@ -92,7 +91,8 @@ def llama_config(values: dict, **decided) -> LlamaConfig:
         )
     except KeyError as error:
         raise ModelLoadError(f"config.json lacks {error.args[0]}") from None
-    return LlamaConfig(**(fields | rope_settings(values) | decided))
+    head_dim = fields["head_dim"] or fields["hidden_size"] // fields["num_attention_heads"]
+    return LlamaConfig(**(fields | rope_settings(values, head_dim) | decided))
 
 
 def _safetensor_files(directory: Path) -> list[Path]:

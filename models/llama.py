@@ -33,7 +33,7 @@ from kiln.runtime.config import KV_SCALE_BYTES, PageGroups, kv_page_elems, kv_sc
 from . import kv_quant
 from .config import SLIDING, LlamaConfig
 from .quantize import QuantizedEmbedding, stacked_linear
-from .rope import llama3_divisors
+from .rope import llama3_divisors, yarn_frequencies
 
 # Added to the attention score of a key a query may not see: exp() of it is 0 in
 # float32, and unlike -inf it keeps a fully masked (padding) row finite.
@@ -61,10 +61,10 @@ def rope_type(config: LlamaConfig) -> str | None:
 
 
 def rope_inverse_frequencies(config: LlamaConfig, local: bool = False, long: bool = False) -> torch.Tensor:
-    """Per-pair rotation speeds, with Llama-3's frequency-dependent scaling if configured;
+    """Per-pair rotation speeds of the rotated dimensions (`rotary_dim`), scaled as configured;
     `local`: the sliding layers' own unscaled base (Gemma 3's rope_local_base_freq); `long`:
     LongRoPE's factors for sequences past the original context, else its short ones (Phi-3)."""
-    dim = config.head_dim
+    dim = config.rotary_dim
     theta = config.rope_local_theta if local else config.rope_theta
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = {} if local else config.rope_scaling or {}
@@ -73,6 +73,8 @@ def rope_inverse_frequencies(config: LlamaConfig, local: bool = False, long: boo
         inv_freq = inv_freq / torch.from_numpy(llama3_divisors(inv_freq.numpy(), scaling))
     elif kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
+    elif kind == "yarn":
+        inv_freq = torch.from_numpy(yarn_frequencies(theta, dim, scaling, config.max_position_embeddings)[0])
     elif kind in ("longrope", "su"):
         factors = scaling["long_factor" if long else "short_factor"]
         if len(factors) != dim // 2:
@@ -84,8 +86,12 @@ def rope_inverse_frequencies(config: LlamaConfig, local: bool = False, long: boo
 
 
 def rope_attention_factor(config: LlamaConfig) -> float:
-    """What LongRoPE multiplies cos and sin by (1 for every other rotary), as transformers computes it."""
-    if rope_type(config) not in ("longrope", "su"):
+    """What LongRoPE and YaRN multiply cos and sin by (1 for every other rotary), as transformers computes it."""
+    kind = rope_type(config)
+    if kind == "yarn":
+        return yarn_frequencies(config.rope_theta, config.rotary_dim, config.rope_scaling,
+                                config.max_position_embeddings)[1]
+    if kind not in ("longrope", "su"):
         return 1.0
     scaling = config.rope_scaling
     if scaling.get("attention_factor") is not None:
@@ -100,24 +106,39 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x rotated by (cos, sin); where those cover fewer dimensions than x's heads (partial rotary,
+    Phi-4-mini), only that leading part of each head rotates, the rest passes as it is."""
+    rotated = cos.shape[-1]
+    if rotated == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    head, rest = x[..., :rotated], x[..., rotated:]
+    return torch.cat((head * cos + rotate_half(head) * sin, rest), dim=-1)
+
+
 def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     """cap·tanh(x / cap): Gemma 2's bound on scores and logits (x itself when cap is None)."""
     return x if cap is None else torch.tanh(x / cap) * cap
 
 
 class Attention(nn.Module):
-    """`sliding`: a local layer's, whose queries see only the last `sliding_window` keys."""
+    """`sliding`: a local layer's, whose queries see only the last `sliding_window` keys;
+    `rotates`: whether its q and k take the rotary (not in SmolLM3's NoPE layers)."""
 
-    def __init__(self, config: LlamaConfig, sliding: bool = False):
+    def __init__(self, config: LlamaConfig, sliding: bool = False, rotates: bool = True):
         super().__init__()
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.sliding = sliding
+        self.rotates = rotates
         self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
         self.softcap = config.attn_logit_softcapping
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # Over each head's q and k, or (OLMo 2) over all of them at once, before they part into heads.
+        self.qk_norm_whole = config.qk_norm_whole
+        q_width, k_width = (self.n_heads, self.n_kv_heads) if config.qk_norm_whole else (1, 1)
+        self.q_norm = RMSNorm(q_width * self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_width * self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
@@ -142,15 +163,17 @@ class Attention(nn.Module):
             q, k, v = stacked_linear(projections, x).split(sizes, dim=-1)
         else:
             q, k, v = (p(x) for p in projections)
+        if self.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(n, t, self.n_heads, self.head_dim)
         k = k.reshape(n, t, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.reshape(n, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        return q, k, v
+        if not self.rotates:
+            return q, k, v
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def attend(self, q, k, v, mask):
         """SDPA with grouped-query heads; mask is boolean [N,1,T,S] (True = may attend)."""
@@ -338,19 +361,37 @@ class SparseMoE(nn.Module):
         return out.view(n, t, hidden)
 
 
+class Scaled(nn.Module):
+    """x times a constant: what attention's and the MLP's outputs go through on their way into the
+    residual where a family scales them (Granite's residual_multiplier) instead of norming them."""
+
+    def __init__(self, factor: float):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.tensor(self.factor, dtype=x.dtype)
+
+
 class DecoderLayer(nn.Module):
     """Llama's names: `post_attention_layernorm` is the norm before the MLP. With sandwich norms
-    (Gemma's), attention's and the MLP's outputs are normed before they join the residual too."""
+    (Gemma's), attention's and the MLP's outputs are normed before they join the residual too (and
+    without pre_norms, OLMo 2's, only they are); with a residual multiplier (Granite's), scaled."""
 
     def __init__(self, config: LlamaConfig, index: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, config.is_sliding(index))
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        pre_norm = (lambda: RMSNorm(config.hidden_size, config.rms_norm_eps)) if config.pre_norms else nn.Identity
+        self.input_layernorm = pre_norm()
+        self.self_attn = Attention(config, config.is_sliding(index), index not in config.unrotated_layers)
+        self.post_attention_layernorm = pre_norm()
         self.mlp = SparseMoE(config) if config.is_moe(index) else MLP(config)
-        sandwich = config.sandwich_norms
-        self.attention_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else nn.Identity()
-        self.mlp_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else nn.Identity()
+        self.attention_output_norm, self.mlp_output_norm = (self._output_path(config) for _ in range(2))
+
+    @staticmethod
+    def _output_path(config: LlamaConfig) -> nn.Module:
+        if config.sandwich_norms:
+            return RMSNorm(config.hidden_size, config.rms_norm_eps)
+        return Scaled(config.residual_multiplier) if config.residual_multiplier != 1.0 else nn.Identity()
 
 
 class Backbone(nn.Module):
@@ -460,8 +501,8 @@ class PagedLlama(nn.Module):
         return h if multiplier == 1.0 else h * torch.tensor(multiplier, dtype=h.dtype)
 
     def rotary(self, positions: torch.Tensor, dtype, seq_lens: torch.Tensor, local: bool = False):
-        """cos, sin [N,1,T,D] for integer positions [N,T] of rows holding seq_lens [N] tokens;
-        `local`: with the sliding layers' base."""
+        """cos, sin [N,1,T,R] (R: a head's rotated dimensions) for integer positions [N,T] of rows
+        holding seq_lens [N] tokens; `local`: with the sliding layers' own base, unscaled."""
         inv_freq = self.local_inv_freq if local else self.inv_freq
         if self.long_inv_freq is not None and not local:
             # As transformers decides it: by the whole sequence's length, per row here.
@@ -470,7 +511,7 @@ class PagedLlama(nn.Module):
         freqs = positions.unsqueeze(-1).float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
         cos, sin = emb.cos(), emb.sin()
-        if self.rotary_factor != 1.0:  # LongRoPE's attention factor
+        if self.rotary_factor != 1.0 and not local:  # LongRoPE's and YaRN's attention factor (scaled layers')
             cos, sin = cos * self.rotary_factor, sin * self.rotary_factor
         return cos.to(dtype), sin.to(dtype)
 
@@ -482,6 +523,8 @@ class PagedLlama(nn.Module):
             logits = self.model.embed_tokens.project(h)  # tied: the embedding's rows are the output head's
         else:
             logits = F.linear(h, self.model.embed_tokens.weight).float()
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
         return soft_cap(logits, self.config.final_logit_softcapping)
 
     # -- reference: plain attention (causal unless a diffusion LM), no cache -----------

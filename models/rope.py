@@ -1,7 +1,7 @@
-"""Llama-3's frequency-dependent rope scaling, in one place (numpy, so torch-free callers can use it).
+"""Rope scalings of Llama 3 and YaRN, in one place (numpy, so torch-free callers can use them).
 
-The model applies it to its rotary frequencies; the GGUF loader and writer store it as the
-`rope_freqs` tensor llama.cpp reads (each frequency's divisor).
+The model applies them to its rotary frequencies; the GGUF loader and writer store Llama 3's as
+the `rope_freqs` tensor llama.cpp reads (each frequency's divisor), YaRN's as its parameters.
 """
 
 from __future__ import annotations
@@ -32,3 +32,35 @@ def llama3_divisors(inverse_frequencies: np.ndarray, scaling: dict[str, Any]) ->
             smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
             divisors.append(1 / ((1 - smooth) / factor + smooth))
     return np.asarray(divisors, dtype=np.float64)
+
+
+def yarn_frequencies(theta: float, dim: int, scaling: dict[str, Any],
+                     max_position_embeddings: int) -> tuple[np.ndarray, float]:
+    """YaRN's rotary frequencies for `dim` rotated dimensions, and the factor cos and sin are scaled
+    by, as transformers computes both: a frequency whose wavelength is long against the original
+    context is interpolated (divided by `factor`), a short one kept as trained, and those between
+    ramped (the ramp bounded by `beta_fast` and `beta_slow` rotations over the original context)."""
+    original = float(scaling.get("original_max_position_embeddings") or max_position_embeddings)
+    factor = float(scaling.get("factor") or max_position_embeddings / original)
+
+    def mscale(scale: float, multiplier: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * multiplier * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        given, all_dims = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, given) / mscale(factor, all_dims) if given and all_dims else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = correction_dim(float(scaling.get("beta_fast") or 32))
+    high = correction_dim(float(scaling.get("beta_slow") or 1))
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    kept = 1.0 - np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    trained = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    return trained / factor * (1 - kept) + trained * kept, float(attention)

@@ -26,6 +26,7 @@ from iree.turbine.ops.iree import transfer_to_logical_device
 from torch import nn
 
 from kiln.runtime.device_layout import DeviceLayout
+from kiln.runtime.errors import ModelLoadError
 
 from .config import LlamaConfig
 from .llama import MLP, ROTARY_BUFFERS, Attention, CachePages, PagedLlama, PagedStep, SparseMoE, cache_dtype_name
@@ -67,7 +68,7 @@ def attention_shard(attn: Attention, config: LlamaConfig, rank: int) -> Attentio
     def rows(projection: nn.Linear, part: slice) -> nn.Linear:
         return _linear(projection.weight[part], None if projection.bias is None else projection.bias[part])
 
-    shard = Attention(config, attn.sliding)
+    shard = Attention(config, attn.sliding, attn.rotates)
     shard.fused = attn.fused
     shard.q_norm, shard.k_norm = copy.deepcopy(attn.q_norm), copy.deepcopy(attn.k_norm)  # per head: every rank's own copy
     shard.q_proj, shard.k_proj, shard.v_proj = rows(attn.q_proj, q_rows), rows(attn.k_proj, kv_rows), rows(attn.v_proj, kv_rows)
@@ -120,6 +121,9 @@ class ShardedPagedLlama(nn.Module):
         self.causal, self.block_seq_stride, self.gather_pages = model.causal, model.block_seq_stride, model.gather_pages
         if model.page_groups is not None:
             raise ValueError("a model spread over devices keeps every layer in every page: build it without page groups")
+        if c.qk_norm_whole and layout.tensor_parallel > 1:
+            raise ModelLoadError(f"{c.architecture}'s q/k norm spans every head at once, which tensor parallelism "
+                                 "splits among devices: spread it over devices with pipeline parallelism alone")
         self.page_groups = None
         self.model = model.model  # embeddings and final norm stay on device 0, under their own names
         self.lm_head = model.lm_head

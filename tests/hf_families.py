@@ -30,21 +30,39 @@ def _longrope(pairs: int) -> dict:
             "original_max_position_embeddings": 32}
 
 
+def _yarn() -> dict:
+    """YaRN stretching a 64-token original context 4x (Qwen3's long-context setting, scaled down)."""
+    return {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+
+
 def family_configs() -> dict:
     """Each family's transformers config, at the tiny sizes, with its distinguishing features on:
-    Mistral's window over every layer, Qwen3's head size apart from hidden / heads, Qwen3-MoE's experts unnormalized beside a dense layer,
-    Mixtral's renormalized, Phi-3's LongRoPE past a 32-token original context
-    and sliding window, Gemma 2's soft-capping, Gemma 3's local layers, rotary bases and linear
-    scaling on its global layers."""
+    Mistral's window over every layer, Qwen3's head size apart from hidden / heads, Qwen3-MoE's experts unnormalized beside a dense layer
+    and YaRN, Mixtral's renormalized, Phi-3's LongRoPE past a 32-token original context
+    and sliding window, Phi-4-mini's besides over three quarters of each head (partial rotary),
+    Gemma 2's soft-capping, Gemma 3's local layers, rotary bases and linear scaling on its global layers,
+    SmolLM3's fourth layer without rotary, Granite's four multipliers, OLMo 2's norms after (not before) attention and the MLP, OLMo 3's
+    sliding layers beside YaRN-scaled global ones, Gemma's head larger than hidden / heads."""
     import transformers as tf
 
     return {
         "qwen3": tf.Qwen3Config(**SHAPES, head_dim=32, tie_word_embeddings=False),
         "mistral": tf.MistralConfig(**SHAPES, sliding_window=12, tie_word_embeddings=False),
         "phi3": tf.Phi3Config(**SHAPES, sliding_window=12, rope_parameters=_longrope(8), tie_word_embeddings=False),
+        "phi4_mini": tf.Phi3Config(**SHAPES, sliding_window=12, tie_word_embeddings=True,
+                                   rope_parameters=_longrope(6) | {"partial_rotary_factor": 0.75}),
         "qwen3_moe": tf.Qwen3MoeConfig(**SHAPES, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                                       mlp_only_layers=[1], norm_topk_prob=False, tie_word_embeddings=False),
+                                       mlp_only_layers=[1], norm_topk_prob=False, tie_word_embeddings=False,
+                                       rope_parameters=_yarn()),
         "mixtral": tf.MixtralConfig(**SHAPES, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+        "smollm3": tf.SmolLM3Config(**SHAPES | {"num_hidden_layers": 4}, tie_word_embeddings=True),
+        "granite": tf.GraniteConfig(**SHAPES, embedding_multiplier=2.0, attention_multiplier=0.2,
+                                    residual_multiplier=0.7, logits_scaling=1.5, tie_word_embeddings=True),
+        "gemma": tf.GemmaConfig(**SHAPES, head_dim=32),
+        "olmo2": tf.Olmo2Config(**SHAPES),
+        "olmo3": tf.Olmo3Config(**SHAPES | {"num_hidden_layers": 4}, sliding_window=6,
+                                rope_parameters={"full_attention": _yarn(),
+                                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
         "gemma2": tf.Gemma2Config(**SHAPES, head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
                                   attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
         "gemma3": tf.Gemma3TextConfig(
@@ -55,7 +73,8 @@ def family_configs() -> dict:
     }
 
 
-FAMILIES = ("mistral", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma2", "gemma3")
+FAMILIES = ("mistral", "qwen3", "qwen3_moe", "mixtral", "phi3", "phi4_mini", "smollm3", "granite", "olmo2", "olmo3", "gemma", "gemma2",
+            "gemma3")
 
 
 def write_family_checkpoint(family: str, directory: Path, seed: int = 0) -> Path:

@@ -1,5 +1,6 @@
-"""Mistral (its sliding window), Qwen3, Qwen3-MoE, Mixtral, Phi-3, Gemma 2 and Gemma 3 against transformers' eager forward, from checkpoints it
-wrote; and through the quantizer and a GGUF."""
+"""Each family of tests/hf_families.py (Mistral's window, Qwen3, Qwen3-MoE with YaRN, Mixtral, Phi-3,
+Phi-4-mini's partial rotary, SmolLM3, Granite, OLMo 2 and 3, Gemma 1, 2 and 3) against transformers'
+eager forward, from checkpoints it wrote; and through the quantizer and a GGUF."""
 
 from __future__ import annotations
 
@@ -79,12 +80,19 @@ def test_config_reads_each_familys_departures(tmp_path):
     assert (mistral.architecture, mistral.sliding_window, set(mistral.layer_types)) == ("llama", 12, {"sliding_attention"})
 
 
-def test_partial_rotary_is_refused_by_name(tmp_path):
-    directory = write_family_checkpoint("phi3", tmp_path)
+def test_config_reads_partial_rotary_and_yarn(tmp_path):
+    phi4 = load_hf_directory(write_family_checkpoint("phi4_mini", tmp_path / "phi4")).config
+    assert (phi4.head_dim, phi4.rotary_dim, len(phi4.rope_scaling["long_factor"])) == (16, 12, 6)
+    moe = load_hf_directory(write_family_checkpoint("qwen3_moe", tmp_path / "moe")).config
+    assert moe.rope_scaling["rope_type"] == "yarn" and moe.rope_scaling["factor"] == 4.0
+
+
+def test_an_unknown_rope_scaling_is_refused_by_name(tmp_path):
+    directory = write_family_checkpoint("qwen3", tmp_path)
     values = json.loads((directory / "config.json").read_text())
-    values["rope_parameters"]["partial_rotary_factor"] = 0.75
+    values["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     (directory / "config.json").write_text(json.dumps(values))
-    with pytest.raises(ModelLoadError, match="partial_rotary_factor"):
+    with pytest.raises(ModelLoadError, match="rope scaling 'dynamic' is not supported"):
         load_hf_directory(directory)
 
 
@@ -117,12 +125,17 @@ GGUF_IMPLIED = {"gemma2": {"query_pre_attn_scalar": 16.0}}
 
 
 @pytest.mark.parametrize("family,arch", [("qwen3_moe", "qwen3moe"), ("mixtral", "llama"), ("phi3", "phi3"),
+                                         ("phi4_mini", "phi3"), ("smollm3", "smollm3"), ("granite", "granite"),
+                                         ("olmo2", "olmo2"), ("olmo3", "olmo2"), ("gemma", "gemma"),
                                          ("gemma2", "gemma2")])
 def test_a_familys_gguf_reads_back_as_its_hf_checkpoint(tmp_path, family, arch):
     """Written as llama.cpp's converter lays the family out (experts stacked as ffn_*_exps under a
     router ffn_gate_inp; Phi-3's attn_qkv and gate_up as ffn_up, its LongRoPE factors as tensors;
     Gemma 2's soft-caps, window and (1 + w) norms; Mixtral as a Llama with experts and permuted q/k)
-    and read back: the same config and the same logits as from the HF directory."""
+    and read back: the same config and the same logits as from the HF directory (Qwen3-MoE's YaRN as
+    its rope.scaling keys, Phi-4-mini's partial rotary as rope.dimension_count under a head size the
+    fused attn_qkv's rows tell; SmolLM3's every fourth layer unrotated, as llama.cpp takes it; Granite's
+    multipliers as its *_scale keys; OLMo 3's sliding layers as olmo2's window pattern)."""
     import dataclasses
 
     from kiln.models.gguf_loader import load_gguf, read_gguf_metadata
@@ -136,9 +149,14 @@ def test_a_familys_gguf_reads_back_as_its_hf_checkpoint(tmp_path, family, arch):
     want, got = checkpoint.config, loaded.config
     for field in ("architecture", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                   "dense_layers", "layer_types", "sliding_window", "attn_logit_softcapping", "final_logit_softcapping",
-                  "query_pre_attn_scalar", "embedding_multiplier", "hidden_act", "tie_word_embeddings"):
-        assert getattr(got, field) == getattr(want, field), field
-    if family == "phi3":
+                  "query_pre_attn_scalar", "embedding_multiplier", "hidden_act", "tie_word_embeddings",
+                  "head_dim", "rotary_dim", "unrotated_layers", "residual_multiplier", "logits_scaling",
+                  "pre_norms", "qk_norm_whole", "rope_local_theta"):
+        value = getattr(want, field)
+        assert getattr(got, field) == (pytest.approx(value, rel=1e-6) if isinstance(value, float) else value), field
+    if family == "qwen3_moe":
+        assert got.rope_scaling == want.rope_scaling
+    if family.startswith("phi"):
         assert got.rope_scaling["long_factor"] == pytest.approx(want.rope_scaling["long_factor"], rel=1e-6)
         for key in ("short_factor", "original_max_position_embeddings"):
             assert got.rope_scaling[key] == pytest.approx(want.rope_scaling[key], rel=1e-6), key
@@ -299,3 +317,19 @@ def test_a_model_with_gathered_layers_gets_no_context_wide_decode_bucket(tmp_pat
     for family in ("gemma2", "gemma3", "phi3"):
         checkpoint = load_hf_directory(write_family_checkpoint(family, tmp_path / family))
         assert with_decode_buckets(checkpoint, options).decode_buckets == (), family
+
+
+def test_a_llama_gguf_with_partial_rotary_is_refused_by_name(tmp_path):
+    """llama.cpp permutes a `llama` file's q and k rows for rotating whole heads; a partial rotary
+    among them could not be read back as transformers rotates it."""
+    import dataclasses
+
+    from kiln.models.gguf_loader import load_gguf
+    from kiln.models.gguf_writer import write_gguf
+
+    checkpoint = load_hf_directory(write_family_checkpoint("phi4_mini", tmp_path / "hf"))
+    checkpoint.config = dataclasses.replace(checkpoint.config, architecture="llama", rope_scaling=None,
+                                            layer_types=[], sliding_window=None)
+    path = write_gguf(checkpoint, tmp_path / "partial.gguf")
+    with pytest.raises(ModelLoadError, match="rotating 12 of a head's 16 dimensions"):
+        load_gguf(path)
