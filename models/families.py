@@ -17,7 +17,8 @@ from kiln.runtime.errors import ModelLoadError
 
 from .config import FULL, SLIDING, LlamaConfig
 from .hf_loader import hf_llama_config, hf_llama_tensors, llama_config
-from .lazy_arrays import LazyArrays, renamed, rows
+from .lazy_arrays import LazyArrays, lazy, renamed, rows
+from .rope import unpermute_qk
 
 # Gemma's turns: `model` for the assistant, a system message folded into the first user turn.
 GEMMA_CHAT_TEMPLATE = (
@@ -118,21 +119,104 @@ def olmo2_gguf_config(key, fields: dict) -> dict:
                 rope_local_theta=float(key("rope.freq_base_swa", fields["rope_theta"])))
 
 
-# OLMo 2's names for its norms after attention and the MLP, and Kiln's.
+def exaone4_config(values: dict, name: str) -> LlamaConfig:
+    """EXAONE 4: OLMo 2's norms after attention and the MLP only, a q/k norm over each head; with a
+    window, three sliding layers to each global one, and the global ones without rotary (NoPE)."""
+    layers = int(values.get("num_hidden_layers", 0))
+    if not values.get("sliding_window"):  # no window: every layer global, and rotating (as transformers runs it)
+        values = values | {"layer_types": [FULL] * layers}
+    types = values.get("layer_types") or [FULL] * layers
+    unrotated = [i for i, kind in enumerate(types) if kind == FULL] if values.get("sliding_window") else []
+    return hf_llama_config(values, name, "exaone4", attention_bias=False, qk_norm=True, pre_norms=False,
+                           sandwich_norms=True, unrotated_layers=unrotated)
+
+
+def exaone4_gguf_config(key, fields: dict) -> dict:
+    """An `exaone4` GGUF: where it sets a window, its pattern's layers (each fourth global where it
+    has none) sliding and the global ones unrotated."""
+    window = key("attention.sliding_window")
+    if not window:
+        return dict(pre_norms=False)
+    layers = fields["num_hidden_layers"]
+    pattern = key("attention.sliding_window_pattern") or [(i + 1) % 4 != 0 for i in range(layers)]
+    return dict(pre_norms=False, sliding_window=int(window),
+                layer_types=[SLIDING if local else FULL for local in pattern],
+                unrotated_layers=[i for i, local in enumerate(pattern) if not local])
+
+
+# OLMo 2's (and EXAONE 4's) names for its norms after attention and the MLP, and Kiln's.
 _OLMO2_NORMS = {"post_attention_layernorm": "attention_output_norm", "post_feedforward_layernorm": "mlp_output_norm"}
 
 
 def olmo2_tensors(tensors: Mapping, config: LlamaConfig) -> LazyArrays:
     """OLMo 2's tensors in Kiln's names: its norms after attention and the MLP renamed."""
-    def kiln_name(name: str) -> str:
-        module = name.split(".")[-2] if "." in name else ""
-        return name.replace(f".{module}.", f".{_OLMO2_NORMS[module]}.") if module in _OLMO2_NORMS else name
+    return renamed(hf_llama_tensors(tensors), partial(_module_renamed, _OLMO2_NORMS))
 
-    return renamed(hf_llama_tensors(tensors), kiln_name)
+
+def _module_renamed(names: dict[str, str], name: str) -> str:
+    """`name` with its module (the part before `.weight`/`.bias`) renamed as `names` says."""
+    parts = name.split(".")
+    if len(parts) > 1 and parts[-2] in names:
+        parts[-2] = names[parts[-2]]
+    return ".".join(parts)
+
+
+def ernie4_5_config(values: dict, name: str) -> LlamaConfig:
+    """ERNIE 4.5 (dense): Llama's layer rotating adjacent pairs (adjacent_pairs_to_halves)."""
+    if values.get("use_bias"):
+        raise ModelLoadError("ERNIE 4.5 with use_bias: biases on the output projection and the MLP are not supported")
+    return hf_llama_config(values, name, "ernie4_5", attention_bias=False,
+                           tie_word_embeddings=values.get("tie_word_embeddings", True))
+
+
+def ernie4_5_tensors(tensors: Mapping, config: LlamaConfig) -> LazyArrays:
+    """ERNIE 4.5's tensors in Kiln's names and layout: q and k reordered to halves; from Baidu's
+    first layout too (under `ernie.`, with q, k, v as one `qkv_proj` and `up_gate_proj`, gate first)."""
+    def llama_name(name: str) -> str:
+        return name.replace("ernie.", "model.", 1).replace(".up_gate_proj.", ".gate_up_proj.")
+
+    return adjacent_pairs_to_halves(split_fused_projections(renamed(tensors, llama_name), config), config)
+
+
+def glm4_config(values: dict, name: str) -> LlamaConfig:
+    """GLM-4 (0414 and Z1): norms after attention and the MLP too, q/k/v biases, gate and up as one
+    weight (split at load), and adjacent pairs rotating over half of each head."""
+    values = values | {"partial_rotary_factor": values.get("partial_rotary_factor", 0.5)}
+    return hf_llama_config(values, name, "glm4", attention_bias=True, sandwich_norms=True)
+
+
+# GLM-4's names for its norms after attention and the MLP.
+_GLM4_NORMS = {"post_self_attn_layernorm": "attention_output_norm", "post_mlp_layernorm": "mlp_output_norm"}
+
+
+def glm4_tensors(tensors: Mapping, config: LlamaConfig) -> LazyArrays:
+    """GLM-4's tensors in Kiln's names and layout: gate_up_proj split, its norms after attention and
+    the MLP renamed, q and k reordered to halves."""
+    split = split_fused_projections(tensors, config)
+    return adjacent_pairs_to_halves(renamed(split, partial(_module_renamed, _GLM4_NORMS)), config)
+
+
+def adjacent_pairs_to_halves(tensors: LazyArrays, config: LlamaConfig) -> LazyArrays:
+    """q_proj's and k_proj's rows (weights and biases) of a checkpoint rotating adjacent pairs (ERNIE,
+    GLM-4: transformers' `rotate_half` over x[0::2], x[1::2]) reordered to the model's halves. The
+    scores q·k are the same whatever order both share; the cached keys are in the new one."""
+    out = LazyArrays()
+    for name in tensors:
+        if ".self_attn.q_proj." in name or ".self_attn.k_proj." in name:
+            heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+            make = partial(_reordered, tensors, name, heads, config.rotary_dim)
+            out.add(name, tensors.shape(name), make, tensors.kind(name))
+        else:
+            out.add_from(tensors, name)
+    return out
+
+
+def _reordered(tensors: LazyArrays, name: str, heads: int, rotary: int) -> np.ndarray:
+    return unpermute_qk(np.asarray(tensors[name]), heads, rotary)
 
 
 def phi3_config(values: dict, name: str) -> LlamaConfig:
-    """Phi-3: Llama's layer with fused projections (phi3_tensors splits them), LongRoPE scaling,
+    """Phi-3: Llama's layer with fused projections (split_fused_projections splits them), LongRoPE scaling,
     and a sliding window over every layer when config.json sets one (as transformers applies it)."""
     window = values.get("sliding_window")
     layers = values.get("num_hidden_layers", 0)
@@ -141,9 +225,10 @@ def phi3_config(values: dict, name: str) -> LlamaConfig:
                         attention_bias=False, hidden_act=_activation(values, "silu"))
 
 
-def phi3_tensors(tensors: Mapping, config: LlamaConfig) -> LazyArrays:
-    """Phi-3's `qkv_proj` split into q/k/v and `gate_up_proj` into gate/up (gate first), each part
-    read from the fused weight only when asked for."""
+def split_fused_projections(tensors: Mapping, config: LlamaConfig) -> LazyArrays:
+    """A Llama-layout checkpoint with fused projections (Phi-3's, GLM-4's, ERNIE's first): `qkv_proj`
+    split into q/k/v and `gate_up_proj` into gate/up (gate first), each part read from the fused
+    weight only when asked for."""
     q_rows = config.num_attention_heads * config.head_dim
     kv_rows = config.num_key_value_heads * config.head_dim
     source, out = hf_llama_tensors(tensors), LazyArrays()
@@ -210,9 +295,23 @@ def _gemma3_layer_types(layers: int, pattern: int) -> list[str]:
     return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(layers)]
 
 
+# transformers' Gemma3TextConfig defaults, which a config.json's missing fields mean: the multimodal
+# checkpoints' `text_config` (Gemma 3 4B, 12B, 27B) writes only where it departs from them.
+GEMMA3_TEXT_DEFAULTS = dict(
+    vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072,
+    rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_local_base_freq=GEMMA3_LOCAL_THETA, query_pre_attn_scalar=256,
+    sliding_window=4096, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1)
+
+
 def gemma3_config(values: dict, name: str) -> LlamaConfig:
     """Gemma 3 (text): every `sliding_window_pattern`-th layer global, the rest local with their own
-    rotary base; QK-norm."""
+    rotary base; QK-norm. Of a multimodal checkpoint (Gemma3ForConditionalGeneration), its language
+    model (`text_config`), served alone: a request's images are refused as any model's are."""
+    text = values.get("text_config")
+    if isinstance(text, dict):
+        values = {k: values[k] for k in ("bos_token_id", "eos_token_id") if k in values} | text
+    values = GEMMA3_TEXT_DEFAULTS | values
     layers = values.get("num_hidden_layers", 0)
     pattern = int(values.get("sliding_window_pattern") or values.get("_sliding_window_pattern") or 6)
     config = _gemma_config(values, name, "gemma3", _gemma3_layer_types(layers, pattern), qk_norm=True)
@@ -282,6 +381,25 @@ def gemma_tensors(tensors: Mapping, config: LlamaConfig) -> LazyArrays:
         else:
             out.add_from(source, name)
     return out
+
+
+# A multimodal checkpoint's language model's names (as transformers writes them, and its older
+# layout) and a text checkpoint's; the rest (its vision tower and projector) is left out.
+_LANGUAGE_MODEL = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                   ("language_model.lm_head.", "lm_head."))
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def gemma3_tensors(tensors: Mapping, config: LlamaConfig) -> LazyArrays:
+    """Gemma 3's tensors in Kiln's names (gemma_tensors'); a multimodal checkpoint's language model's alone."""
+    source, text = lazy(tensors), LazyArrays()
+    for name in source:
+        old, new = next(((old, new) for old, new in _LANGUAGE_MODEL if name.startswith(old)), ("", ""))
+        if old:
+            text.add_from(source, name, new + name[len(old):])
+        elif not name.startswith(_VISION):
+            text.add_from(source, name)
+    return gemma_tensors(text, config)
 
 
 def _plus_one(tensors: Mapping, name: str) -> np.ndarray:

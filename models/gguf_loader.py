@@ -13,6 +13,7 @@ import math
 import mmap
 import re
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,7 @@ from .gguf_blocks import BLOCK_TYPES, BlockWeight, read_blocks
 from .gguf_tokenizer import tokenizer_from_gguf
 from .lazy_arrays import LazyArrays
 from .registry import family_named, family_of_gguf
-from .rope import llama3_divisors
+from .rope import llama3_divisors, unpermute_qk
 from .sentence_transformers import EmbeddingSpec
 
 
@@ -58,6 +59,9 @@ EXPERT_NAMES = {"ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.ex
                 "ffn_down_exps": "mlp.experts.down_proj"}
 # Architectures whose q/k rows llama.cpp's converter permutes (its `LlamaModel` and those built on it).
 PERMUTED_QK = ("llama", "mixtral", "smollm3", "granite")
+# Architectures whose own checkpoints rotate adjacent pairs, over their rotary dimensions (read as
+# the permuted ones are; llama.cpp keeps their rows as they are).
+ADJACENT_PAIRS = ("ernie4_5", "glm4")
 # Turn-ending tokens llama.cpp also stops at, found by their text: a GGUF names no id for them
 # (Gemma's <end_of_turn>, Phi-3's <|end|>).
 END_OF_TURN_TEXTS = ("<end_of_turn>", "<|end|>")
@@ -77,22 +81,6 @@ def hf_tensor_name(gguf_name: str) -> str | None:
         module = GLOBAL_NAMES.get(m.group(1))
         return f"{module}.{m.group(2)}" if module else None
     return None
-
-
-def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Invert convert_hf_to_gguf's `permute` of q_proj/k_proj rows (weights and biases).
-
-    llama.cpp stores each head's rotary pairs interleaved (x0, x1 adjacent); HF keeps
-    the two halves apart. Rows are `n_head * head_dim`.
-    """
-    half = w.shape[0] // n_head // 2
-    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf's permutation (HF layout -> llama.cpp layout)."""
-    half = w.shape[0] // n_head // 2
-    return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def llama3_rope_factors(
@@ -385,8 +373,8 @@ LONGROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_sho
 
 def _row_parts(config: LlamaConfig, name: str) -> dict[str, tuple[int, int]]:
     """A fused tensor's parts, each Kiln's name -> its rows: Phi-3's attn_qkv (q, k, v) and its
-    ffn_up (gate, then up: llama.cpp keeps Phi-3's gate_up_proj whole under ffn_up)."""
-    if config.architecture != "phi3":
+    ffn_up (gate, then up: llama.cpp keeps Phi-3's and GLM-4's gate_up_proj whole under ffn_up)."""
+    if config.architecture not in ("phi3", "glm4"):
         return {}
     prefix = name.rsplit(".", 2)[0] + "."
     if name.endswith("self_attn.qkv_proj.weight"):
@@ -435,9 +423,10 @@ def load_gguf(path: str | Path) -> Checkpoint:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         _check_data_size(t, shape, path)
         _check_dequantizable(t, dequantizable)
-        heads = None
-        if config.architecture in PERMUTED_QK and (".attn_q." in t.name or ".attn_k." in t.name):
+        reorder = None  # q and k rows with their rotary pairs adjacent, to HF's halves
+        if config.architecture in PERMUTED_QK + ADJACENT_PAIRS and (".attn_q." in t.name or ".attn_k." in t.name):
             heads = config.num_attention_heads if ".attn_q." in t.name else config.num_key_value_heads
+            reorder = functools.partial(unpermute_qk, n_head=heads, rotary=config.rotary_dim)
         # A mixture's experts [E, rows, K] keep their blocks too (where Kiln reads their type), read
         # as E * rows rows; the mode is the 2-D weights' (a type it does not read is quantized to it).
         stored = keep_blocks and (len(shape) == 2 or (len(shape) == 3 and t.tensor_type.name in BLOCK_TYPES))
@@ -447,10 +436,10 @@ def load_gguf(path: str | Path) -> Checkpoint:
                                  f"{max(stop for _, stop in parts.values())}")
         for name, (start, stop) in parts.items():
             part = (stop - start, *shape[1:])
-            tensors.add(name, part, functools.partial(_weight, t, heads, start, stop, path, pages))
+            tensors.add(name, part, functools.partial(_weight, t, reorder, start, stop, path, pages))
             if stored:
                 rows = (math.prod(shape[:-1]), shape[-1])
-                blocks.add(name, part, functools.partial(_blocks, t, rows, heads, start * rows[0] // shape[0],
+                blocks.add(name, part, functools.partial(_blocks, t, rows, reorder, start * rows[0] // shape[0],
                                                          stop * rows[0] // shape[0], path, pages),
                            kind=t.tensor_type.name)
 
@@ -517,8 +506,8 @@ class MappedPages:
         self._mapping.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
-def _weight(tensor, heads: int | None, start: int, stop: int, path: Path, pages: MappedPages) -> np.ndarray:
-    """Rows start..stop of a tensor as float32, in HF's order (Q and K unpermuted for `heads`)."""
+def _weight(tensor, reorder: Callable | None, start: int, stop: int, path: Path, pages: MappedPages) -> np.ndarray:
+    """Rows start..stop of a tensor as float32, in HF's order (`reorder`: Q's and K's rows to it)."""
     try:
         w = _dequantize(tensor)
     except ModelLoadError:
@@ -526,12 +515,12 @@ def _weight(tensor, heads: int | None, start: int, stop: int, path: Path, pages:
     except Exception as e:
         raise ModelLoadError(f"{path}: tensor {tensor.name} is corrupt or truncated ({e})") from e
     pages.drop(tensor.data)
-    if heads is not None:
-        w = unpermute_qk(w, heads)
+    if reorder is not None:
+        w = reorder(w)
     return w if (start, stop) == (0, w.shape[0]) else np.ascontiguousarray(w[start:stop])
 
 
-def _blocks(tensor, shape: tuple[int, int], heads: int | None, start: int, stop: int, path: Path,
+def _blocks(tensor, shape: tuple[int, int], reorder: Callable | None, start: int, stop: int, path: Path,
             pages: MappedPages) -> BlockWeight:
     """Rows start..stop of a tensor's blocks as stored, in HF's row order."""
     try:
@@ -539,8 +528,8 @@ def _blocks(tensor, shape: tuple[int, int], heads: int | None, start: int, stop:
     except Exception as e:
         raise ModelLoadError(f"{path}: tensor {tensor.name} is corrupt or truncated ({e})") from e
     pages.drop(tensor.data)
-    if heads is not None:
-        stored = stored.rows_permuted(lambda rows: unpermute_qk(rows, heads))
+    if reorder is not None:
+        stored = stored.rows_permuted(reorder)
     return stored if (start, stop) == (0, shape[0]) else stored.rows(start, stop)
 
 

@@ -17,9 +17,10 @@ import numpy as np
 from kiln.runtime.errors import ModelLoadError
 
 from .checkpoint import Checkpoint
-from .gguf_loader import (EXPERT_NAMES, GLOBAL_NAMES, LAYER_NAMES, LONGROPE_FACTORS, PERMUTED_QK, SAMPLING_KEYS,
-                          llama3_rope_factors, permute_qk)
+from .gguf_loader import (ADJACENT_PAIRS, EXPERT_NAMES, GLOBAL_NAMES, LAYER_NAMES, LONGROPE_FACTORS, PERMUTED_QK,
+                          SAMPLING_KEYS, llama3_rope_factors)
 from .registry import family_named
+from .rope import permute_qk
 from .gguf_tokenizer import tokenizer_to_gguf
 
 WRITE_DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
@@ -123,7 +124,7 @@ def write_gguf(checkpoint: Checkpoint, path: str | Path, dtype: str = "f32") -> 
             w.add_expert_feed_forward_length(c.moe_intermediate_size)
     if c.sliding_window and c.layer_types:
         w.add_sliding_window(c.sliding_window)
-        if arch == "olmo2":
+        if arch in ("olmo2", "exaone4"):
             w.add_sliding_window_pattern([c.is_sliding(i) for i in range(c.num_hidden_layers)])
             if c.rope_local_theta is not None:
                 w.add_rope_freq_base_swa(float(c.rope_local_theta))
@@ -169,7 +170,8 @@ def write_gguf(checkpoint: Checkpoint, path: str | Path, dtype: str = "f32") -> 
         w.add_rope_scaling_factor(float(scaling.get("factor") or c.max_position_embeddings / original))
         w.add_rope_scaling_orig_ctx_len(int(original))
         for name, add in (("attention_factor", w.add_rope_scaling_yarn_attn_factor),
-                          ("beta_fast", w.add_rope_scaling_yarn_beta_fast), ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+                          ("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                          ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
             if scaling.get(name) is not None:
                 add(float(scaling[name]))
         if scaling.get("mscale") and scaling.get("mscale_all_dim"):
@@ -208,10 +210,11 @@ def write_gguf(checkpoint: Checkpoint, path: str | Path, dtype: str = "f32") -> 
     for name in order:
         if c.tie_word_embeddings and name == "lm_head.weight":
             continue
-        if arch == "phi3" and name.endswith(PHI3_FUSED_LATER):
+        fusions = FUSED.get(arch, {})
+        if name.endswith(tuple(part for _, parts in fusions.values() for part in parts[1:])):
             continue  # written inside its fused tensor
-        if arch == "phi3" and (m := _HF_LAYER_RE.match(name)) and f"{m.group(2)}.weight" in PHI3_FUSED:
-            fused, parts = PHI3_FUSED[f"{m.group(2)}.weight"]
+        if (m := _HF_LAYER_RE.match(name)) and f"{m.group(2)}.weight" in fusions:
+            fused, parts = fusions[f"{m.group(2)}.weight"]
             base, gname = f"model.layers.{m.group(1)}.", f"blk.{m.group(1)}.{fused}.weight"
             data, raw = _encode(np.concatenate([np.asarray(tensors[base + part], dtype=np.float32) for part in parts]),
                                 dtype, gname)
@@ -219,8 +222,8 @@ def write_gguf(checkpoint: Checkpoint, path: str | Path, dtype: str = "f32") -> 
             continue
         gname = gguf_tensor_name(name)
         t = np.asarray(tensors[name], dtype=np.float32)
-        if arch in PERMUTED_QK and (".attn_q." in gname or ".attn_k." in gname):
-            t = permute_qk(t, c.num_attention_heads if ".attn_q." in gname else c.num_key_value_heads)
+        if arch in PERMUTED_QK + ADJACENT_PAIRS and (".attn_q." in gname or ".attn_k." in gname):
+            t = permute_qk(t, c.num_attention_heads if ".attn_q." in gname else c.num_key_value_heads, c.rotary_dim)
         data, raw = _encode(t, dtype, gname)
         w.add_tensor(gname, data, raw_dtype=raw)
 
@@ -236,14 +239,14 @@ def write_gguf(checkpoint: Checkpoint, path: str | Path, dtype: str = "f32") -> 
     return path
 
 
-# Phi-3's fused tensors, as its converter writes them: the first part's name -> (the fused tensor's
-# GGUF name, its parts in order). gate_up goes by ffn_up, gate rows first.
-PHI3_FUSED = {"self_attn.q_proj.weight": ("attn_qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                                       "self_attn.v_proj.weight")),
-              "mlp.gate_proj.weight": ("ffn_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight"))}
-PHI3_FUSED_LATER = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.up_proj.weight")
-WRITTEN_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma", "gemma2", "smollm3", "granite",
-                         "olmo2")
+# Fused tensors, as each family's converter writes them: the first part's name -> (the fused tensor's
+# GGUF name, its parts in order). gate_up goes by ffn_up, gate rows first (Phi-3's, GLM-4's).
+_GATE_UP = {"mlp.gate_proj.weight": ("ffn_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight"))}
+FUSED = {"phi3": {"self_attn.q_proj.weight": ("attn_qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                                           "self_attn.v_proj.weight")), **_GATE_UP},
+         "glm4": _GATE_UP}
+WRITTEN_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma", "gemma2", "smollm3",
+                         "granite", "olmo2", "exaone4", "ernie4_5", "glm4")
 
 
 def _tensor_order(name: str):

@@ -20,10 +20,13 @@ from kiln.runtime.errors import ModelLoadError
 
 from .config import LlamaConfig
 from .diffusion_loader import dream_config, llada_config, llada_tensors
-from .families import (GEMMA_CHAT_TEMPLATE, gemma2_config, gemma2_gguf_config, gemma3_config, gemma3_gguf_config,
-                       gemma_config, gemma_gguf_config, gemma_tensors, granite_config, granite_gguf_config, llama_family_config, mixtral_config,
-                       mixtral_tensors, olmo2_config, olmo2_gguf_config, olmo2_tensors, phi3_config, phi3_gguf_config, phi3_tensors, qwen3_config, qwen3_moe_config,
-                       qwen3_moe_tensors, smollm3_config, smollm3_gguf_config)
+from .families import (GEMMA_CHAT_TEMPLATE, ernie4_5_config, ernie4_5_tensors, exaone4_config, exaone4_gguf_config,
+                       gemma2_config, gemma2_gguf_config, gemma3_config, gemma3_gguf_config, gemma3_tensors,
+                       gemma_config, gemma_gguf_config, gemma_tensors, glm4_config, glm4_tensors, granite_config,
+                       granite_gguf_config, llama_family_config, mixtral_config, mixtral_tensors, olmo2_config,
+                       olmo2_gguf_config, olmo2_tensors, phi3_config, phi3_gguf_config, qwen3_config,
+                       qwen3_moe_config, qwen3_moe_tensors, smollm3_config, smollm3_gguf_config,
+                       split_fused_projections)
 from .hf_loader import hf_llama_config, hf_llama_tensors
 
 AUTOREGRESSIVE = "autoregressive"  # KilnParams.model_kind's default; DIFFUSION is the contract's other kind
@@ -64,20 +67,26 @@ FAMILIES = (
                 qwen3_moe_tensors),
     # A Mixtral GGUF says `llama` and has experts (gguf_loader tells them apart).
     ModelFamily("mixtral", ("MixtralForCausalLM",), (), None, AUTOREGRESSIVE, mixtral_config, mixtral_tensors),
-    ModelFamily("phi3", ("Phi3ForCausalLM",), (), "phi3", AUTOREGRESSIVE, phi3_config, phi3_tensors,
+    ModelFamily("phi3", ("Phi3ForCausalLM",), (), "phi3", AUTOREGRESSIVE, phi3_config, split_fused_projections,
                 config_from_gguf=phi3_gguf_config),
     ModelFamily("smollm3", ("SmolLM3ForCausalLM",), (), "smollm3", AUTOREGRESSIVE, smollm3_config, _renamed,
                 config_from_gguf=smollm3_gguf_config),
     ModelFamily("granite", ("GraniteForCausalLM",), (), "granite", AUTOREGRESSIVE, granite_config, _renamed,
                 config_from_gguf=granite_gguf_config),
+    ModelFamily("ernie4_5", ("Ernie4_5ForCausalLM",), (), "ernie4_5", AUTOREGRESSIVE, ernie4_5_config,
+                ernie4_5_tensors),
+    ModelFamily("glm4", ("Glm4ForCausalLM",), (), "glm4", AUTOREGRESSIVE, glm4_config, glm4_tensors),
     ModelFamily("olmo2", ("Olmo2ForCausalLM", "Olmo3ForCausalLM"), (), "olmo2", AUTOREGRESSIVE, olmo2_config,
                 olmo2_tensors, config_from_gguf=olmo2_gguf_config),
+    ModelFamily("exaone4", ("Exaone4ForCausalLM",), (), "exaone4", AUTOREGRESSIVE, exaone4_config, olmo2_tensors,
+                config_from_gguf=exaone4_gguf_config),
     ModelFamily("gemma", ("GemmaForCausalLM",), (), "gemma", AUTOREGRESSIVE, gemma_config, gemma_tensors,
                 config_from_gguf=gemma_gguf_config, chat_template=GEMMA_CHAT_TEMPLATE),
     ModelFamily("gemma2", ("Gemma2ForCausalLM",), (), "gemma2", AUTOREGRESSIVE, gemma2_config, gemma_tensors,
                 config_from_gguf=gemma2_gguf_config, chat_template=GEMMA_CHAT_TEMPLATE),
-    ModelFamily("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), "gemma3", AUTOREGRESSIVE, gemma3_config,
-                gemma_tensors, config_from_gguf=gemma3_gguf_config, chat_template=GEMMA_CHAT_TEMPLATE),
+    ModelFamily("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), ("gemma3_text",), "gemma3",
+                AUTOREGRESSIVE, gemma3_config, gemma3_tensors, config_from_gguf=gemma3_gguf_config,
+                chat_template=GEMMA_CHAT_TEMPLATE),
     ModelFamily("llada", ("LLaDAModelLM",), ("llada",), None, DIFFUSION, llada_config,
                 lambda tensors, config: llada_tensors(tensors)),
     ModelFamily("dream", ("DreamModel",), ("dream",), None, DIFFUSION, dream_config, lambda tensors, config: tensors),

@@ -1,7 +1,11 @@
-"""Rope scalings of Llama 3 and YaRN, in one place (numpy, so torch-free callers can use them).
+"""Rope scalings of Llama 3 and YaRN, and the two layouts of a head's rotary pairs, in one place
+(numpy, so torch-free callers can use them).
 
-The model applies them to its rotary frequencies; the GGUF loader and writer store Llama 3's as
-the `rope_freqs` tensor llama.cpp reads (each frequency's divisor), YaRN's as its parameters.
+The model applies the scalings to its rotary frequencies; the GGUF loader and writer store Llama 3's
+as the `rope_freqs` tensor llama.cpp reads (each frequency's divisor), YaRN's as its parameters.
+The model rotates each dimension with the one half a head away (HF's Llama layout); llama.cpp's
+files, and ERNIE's and GLM-4's own checkpoints, pair adjacent dimensions: their q/k rows are
+reordered on reading.
 """
 
 from __future__ import annotations
@@ -64,3 +68,26 @@ def yarn_frequencies(theta: float, dim: int, scaling: dict[str, Any],
     kept = 1.0 - np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
     trained = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
     return trained / factor * (1 - kept) + trained * kept, float(attention)
+
+
+def unpermute_qk(w: np.ndarray, n_head: int, rotary: int | None = None) -> np.ndarray:
+    """q_proj/k_proj rows (weights or biases, `n_head` heads) with each head's rotary pairs adjacent
+    (x0, x1: llama.cpp's layout, and ERNIE's and GLM-4's) reordered to the two halves apart (HF's
+    Llama layout); `rotary`: how many leading dimensions of a head rotate (the rest stay as they are)."""
+    return _reordered(w, n_head, rotary, unpermute=True)
+
+
+def permute_qk(w: np.ndarray, n_head: int, rotary: int | None = None) -> np.ndarray:
+    """unpermute_qk's inverse: convert_hf_to_gguf's `permute` (HF layout -> adjacent pairs)."""
+    return _reordered(w, n_head, rotary, unpermute=False)
+
+
+def _reordered(w: np.ndarray, n_head: int, rotary: int | None, unpermute: bool) -> np.ndarray:
+    head_dim = w.shape[0] // n_head
+    rotary = rotary or head_dim
+    heads = w.reshape(n_head, head_dim, *w.shape[1:])
+    part = heads[:, :rotary].reshape(n_head, *((rotary // 2, 2) if unpermute else (2, rotary // 2)), *w.shape[1:])
+    part = part.swapaxes(1, 2).reshape(n_head, rotary, *w.shape[1:])
+    if rotary == head_dim:
+        return part.reshape(w.shape)
+    return np.concatenate((part, heads[:, rotary:]), axis=1).reshape(w.shape)

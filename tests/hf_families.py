@@ -37,19 +37,28 @@ def _yarn() -> dict:
 
 def family_configs() -> dict:
     """Each family's transformers config, at the tiny sizes, with its distinguishing features on:
-    Mistral's window over every layer, Qwen3's head size apart from hidden / heads, Qwen3-MoE's experts unnormalized beside a dense layer
-    and YaRN, Mixtral's renormalized, Phi-3's LongRoPE past a 32-token original context
-    and sliding window, Phi-4-mini's besides over three quarters of each head (partial rotary),
-    Gemma 2's soft-capping, Gemma 3's local layers, rotary bases and linear scaling on its global layers,
-    SmolLM3's fourth layer without rotary, Granite's four multipliers, OLMo 2's norms after (not before) attention and the MLP, OLMo 3's
-    sliding layers beside YaRN-scaled global ones, Gemma's head larger than hidden / heads."""
+    Mistral's window over every layer, Qwen3's head size apart from hidden / heads, Qwen3-MoE's experts
+    unnormalized beside a dense layer and YaRN, Mixtral's renormalized, Phi-3's LongRoPE past a 32-token
+    original context and sliding window, Phi-4-mini's besides over three quarters of each head (partial
+    rotary), SmolLM3's fourth layer without rotary, Granite's four multipliers, ERNIE's adjacent rotary
+    pairs, GLM-4's over half of each head, OLMo 2's norms after (not before) attention and the MLP,
+    OLMo 3's sliding layers beside YaRN-scaled global ones, EXAONE 4's global layers without rotary,
+    Gemma's head larger than hidden / heads, Gemma 2's soft-capping, Gemma 3's local layers, rotary
+    bases and linear scaling on its global layers, and Gemma 3's as a multimodal checkpoint's
+    language model (Gemma3ForConditionalGeneration, beside a vision tower)."""
     import transformers as tf
 
+    gemma3_text = tf.Gemma3TextConfig(
+        **SHAPES | {"num_hidden_layers": 4}, head_dim=32, query_pre_attn_scalar=24, sliding_window=6,
+        sliding_window_pattern=2,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
     return {
         "qwen3": tf.Qwen3Config(**SHAPES, head_dim=32, tie_word_embeddings=False),
         "mistral": tf.MistralConfig(**SHAPES, sliding_window=12, tie_word_embeddings=False),
-        "phi3": tf.Phi3Config(**SHAPES, sliding_window=12, rope_parameters=_longrope(8), tie_word_embeddings=False),
-        "phi4_mini": tf.Phi3Config(**SHAPES, sliding_window=12, tie_word_embeddings=True,
+        "phi3": tf.Phi3Config(**SHAPES, sliding_window=12, rope_parameters=_longrope(8), tie_word_embeddings=False,
+                              original_max_position_embeddings=32),
+        "phi4_mini": tf.Phi3Config(**SHAPES, sliding_window=12, tie_word_embeddings=True, original_max_position_embeddings=32,
                                    rope_parameters=_longrope(6) | {"partial_rotary_factor": 0.75}),
         "qwen3_moe": tf.Qwen3MoeConfig(**SHAPES, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                        mlp_only_layers=[1], norm_topk_prob=False, tie_word_embeddings=False,
@@ -58,23 +67,28 @@ def family_configs() -> dict:
         "smollm3": tf.SmolLM3Config(**SHAPES | {"num_hidden_layers": 4}, tie_word_embeddings=True),
         "granite": tf.GraniteConfig(**SHAPES, embedding_multiplier=2.0, attention_multiplier=0.2,
                                     residual_multiplier=0.7, logits_scaling=1.5, tie_word_embeddings=True),
+        "exaone4": tf.Exaone4Config(**SHAPES | {"num_hidden_layers": 4}, sliding_window=6, sliding_window_pattern=4,
+                                    tie_word_embeddings=False),
         "gemma": tf.GemmaConfig(**SHAPES, head_dim=32),
+        "ernie4_5": tf.Ernie4_5Config(**SHAPES, head_dim=16, use_bias=False, tie_word_embeddings=True),
+        "glm4": tf.Glm4Config(**SHAPES, head_dim=16, tie_word_embeddings=False),
         "olmo2": tf.Olmo2Config(**SHAPES),
         "olmo3": tf.Olmo3Config(**SHAPES | {"num_hidden_layers": 4}, sliding_window=6,
                                 rope_parameters={"full_attention": _yarn(),
                                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
         "gemma2": tf.Gemma2Config(**SHAPES, head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
                                   attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
-        "gemma3": tf.Gemma3TextConfig(
-            **SHAPES | {"num_hidden_layers": 4}, head_dim=32, query_pre_attn_scalar=24, sliding_window=6,
-            sliding_window_pattern=2,
-            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+        "gemma3": gemma3_text,
+        "gemma3_vision": tf.Gemma3Config(
+            text_config=gemma3_text, mm_tokens_per_image=4, image_token_index=380, boi_token_index=381,
+            eoi_token_index=382,
+            vision_config=tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                num_attention_heads=2, image_size=28, patch_size=14)),
     }
 
 
-FAMILIES = ("mistral", "qwen3", "qwen3_moe", "mixtral", "phi3", "phi4_mini", "smollm3", "granite", "olmo2", "olmo3", "gemma", "gemma2",
-            "gemma3")
+FAMILIES = ("mistral", "qwen3", "qwen3_moe", "mixtral", "phi3", "phi4_mini", "smollm3", "granite", "ernie4_5",
+            "glm4", "olmo2", "olmo3", "exaone4", "gemma", "gemma2", "gemma3", "gemma3_vision")
 
 
 def write_family_checkpoint(family: str, directory: Path, seed: int = 0) -> Path:

@@ -9,7 +9,8 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from kiln.runtime.errors import ModelLoadError
-from kiln.models.gguf_loader import load_gguf, permute_qk, read_gguf_metadata, unpermute_qk
+from kiln.models.gguf_loader import load_gguf, read_gguf_metadata
+from kiln.models.rope import permute_qk, unpermute_qk
 from kiln.models.gguf_writer import write_gguf
 from tests.tiny_model import CORPUS, make_tiny_checkpoint, write_hf_directory
 

@@ -418,7 +418,8 @@ def test_a_block_quantized_gguf_is_served_from_its_own_blocks(tmp_path, tied, dt
     from gguf import GGMLQuantizationType, GGUFReader, quants
 
     from kiln.export.export_model import build_model
-    from kiln.models.gguf_loader import hf_tensor_name, unpermute_qk
+    from kiln.models.gguf_loader import hf_tensor_name
+    from kiln.models.rope import unpermute_qk
     from kiln.models.gguf_writer import write_gguf
     from kiln.models.loader import load_checkpoint
 
