@@ -43,10 +43,41 @@ def _activation(values: dict, default: str) -> str:
     return _ACTIVATIONS[name]
 
 
+def text_config(values: dict) -> dict:
+    """The config.json fields of a multimodal checkpoint's language model (its `text_config`, with the
+    start and end ids the wrapper sets), which Kiln serves alone; a text checkpoint's as they are."""
+    text = values.get("text_config")
+    if not isinstance(text, dict):
+        return values
+    return {k: values[k] for k in ("bos_token_id", "eos_token_id") if k in values} | text
+
+
+# A multimodal checkpoint's language model's names (as transformers writes them, and its older
+# layout) and a text checkpoint's; the rest (its vision tower and projector) is left out.
+_LANGUAGE_MODEL = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                   ("language_model.lm_head.", "lm_head."))
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def language_model_tensors(tensors: Mapping) -> LazyArrays:
+    """A multimodal checkpoint's language model's tensors under a text checkpoint's names (a text
+    checkpoint's as they are)."""
+    source, text = lazy(tensors), LazyArrays()
+    for name in source:
+        old, new = next(((old, new) for old, new in _LANGUAGE_MODEL if name.startswith(old)), ("", ""))
+        if old:
+            text.add_from(source, name, new + name[len(old):])
+        elif not name.startswith(_VISION):
+            text.add_from(source, name)
+    return text
+
+
 def llama_family_config(values: dict, name: str) -> LlamaConfig:
     """Llama and Mistral. Mistral's config.json may set a sliding window over every layer (v0.1's
     4,096; null from v0.2), which transformers applies; a Llama or Qwen2 config's `sliding_window`
-    is not one (Qwen2's sits beside `use_sliding_window: false`)."""
+    is not one (Qwen2's sits beside `use_sliding_window: false`). Of Mistral Small 3's multimodal
+    checkpoints (Mistral3ForConditionalGeneration), its language model."""
+    values = text_config(values)
     window = values.get("sliding_window") if values.get("model_type") == "mistral" else None
     layers = values.get("num_hidden_layers", 0)
     types = values.get("layer_types") or ([SLIDING] * layers if window else [])
@@ -308,10 +339,7 @@ def gemma3_config(values: dict, name: str) -> LlamaConfig:
     """Gemma 3 (text): every `sliding_window_pattern`-th layer global, the rest local with their own
     rotary base; QK-norm. Of a multimodal checkpoint (Gemma3ForConditionalGeneration), its language
     model (`text_config`), served alone: a request's images are refused as any model's are."""
-    text = values.get("text_config")
-    if isinstance(text, dict):
-        values = {k: values[k] for k in ("bos_token_id", "eos_token_id") if k in values} | text
-    values = GEMMA3_TEXT_DEFAULTS | values
+    values = GEMMA3_TEXT_DEFAULTS | text_config(values)
     layers = values.get("num_hidden_layers", 0)
     pattern = int(values.get("sliding_window_pattern") or values.get("_sliding_window_pattern") or 6)
     config = _gemma_config(values, name, "gemma3", _gemma3_layer_types(layers, pattern), qk_norm=True)
@@ -383,23 +411,9 @@ def gemma_tensors(tensors: Mapping, config: LlamaConfig) -> LazyArrays:
     return out
 
 
-# A multimodal checkpoint's language model's names (as transformers writes them, and its older
-# layout) and a text checkpoint's; the rest (its vision tower and projector) is left out.
-_LANGUAGE_MODEL = (("language_model.model.", "model."), ("model.language_model.", "model."),
-                   ("language_model.lm_head.", "lm_head."))
-_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
-
-
 def gemma3_tensors(tensors: Mapping, config: LlamaConfig) -> LazyArrays:
     """Gemma 3's tensors in Kiln's names (gemma_tensors'); a multimodal checkpoint's language model's alone."""
-    source, text = lazy(tensors), LazyArrays()
-    for name in source:
-        old, new = next(((old, new) for old, new in _LANGUAGE_MODEL if name.startswith(old)), ("", ""))
-        if old:
-            text.add_from(source, name, new + name[len(old):])
-        elif not name.startswith(_VISION):
-            text.add_from(source, name)
-    return gemma_tensors(text, config)
+    return gemma_tensors(language_model_tensors(tensors), config)
 
 
 def _plus_one(tensors: Mapping, name: str) -> np.ndarray:

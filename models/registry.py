@@ -23,9 +23,9 @@ from .diffusion_loader import dream_config, llada_config, llada_tensors
 from .families import (GEMMA_CHAT_TEMPLATE, ernie4_5_config, ernie4_5_tensors, exaone4_config, exaone4_gguf_config,
                        gemma2_config, gemma2_gguf_config, gemma3_config, gemma3_gguf_config, gemma3_tensors,
                        gemma_config, gemma_gguf_config, gemma_tensors, glm4_config, glm4_tensors, granite_config,
-                       granite_gguf_config, llama_family_config, mixtral_config, mixtral_tensors, olmo2_config,
-                       olmo2_gguf_config, olmo2_tensors, phi3_config, phi3_gguf_config, qwen3_config,
-                       qwen3_moe_config, qwen3_moe_tensors, smollm3_config, smollm3_gguf_config,
+                       granite_gguf_config, language_model_tensors, llama_family_config, mixtral_config,
+                       mixtral_tensors, olmo2_config, olmo2_gguf_config, olmo2_tensors, phi3_config, phi3_gguf_config,
+                       qwen3_config, qwen3_moe_config, qwen3_moe_tensors, smollm3_config, smollm3_gguf_config,
                        split_fused_projections)
 from .hf_loader import hf_llama_config, hf_llama_tensors
 
@@ -54,12 +54,13 @@ class ModelFamily:
 
 
 def _renamed(tensors: Mapping, config: LlamaConfig) -> Mapping:
-    return hf_llama_tensors(tensors)
+    return hf_llama_tensors(language_model_tensors(tensors))
 
 
 FAMILIES = (
-    ModelFamily("llama", ("LlamaForCausalLM", "MistralForCausalLM", "LlamaModel", "MistralModel"), (), "llama", AUTOREGRESSIVE,
-                llama_family_config, _renamed),
+    # Mistral Small 3's multimodal checkpoints serve their language model.
+    ModelFamily("llama", ("LlamaForCausalLM", "MistralForCausalLM", "LlamaModel", "MistralModel",
+                          "Mistral3ForConditionalGeneration"), (), "llama", AUTOREGRESSIVE, llama_family_config, _renamed),
     ModelFamily("qwen2", ("Qwen2ForCausalLM", "Qwen2Model"), (), "qwen2", AUTOREGRESSIVE,
                 lambda values, name: hf_llama_config(values, name, "qwen2", attention_bias=True), _renamed),
     ModelFamily("qwen3", ("Qwen3ForCausalLM", "Qwen3Model"), (), "qwen3", AUTOREGRESSIVE, qwen3_config, _renamed),

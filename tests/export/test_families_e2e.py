@@ -92,17 +92,22 @@ def test_served_with_prefix_caching_and_a_draft_of_its_own_family(family_build, 
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16  # whole pages of the prompt
 
 
-@pytest.fixture(scope="module")
-def quantized_mixture(tmp_path_factory):
-    """The tiny Mixtral as a Q4_0 GGUF, built as it comes: its experts' blocks served as stored."""
-    directory = write_family_checkpoint("mixtral", tmp_path_factory.mktemp("mixtral-hf"))
-    path = write_gguf(load_hf_directory(directory), tmp_path_factory.mktemp("mixtral-gguf") / "mixtral-q4_0.gguf",
+def q4_0_gguf_build(family: str, tmp_path_factory) -> tuple:
+    """(the compiled program, the eager model) of the tiny `family` as a Q4_0 GGUF, built as it comes."""
+    directory = write_family_checkpoint(family, tmp_path_factory.mktemp(f"{family}-hf"))
+    path = write_gguf(load_hf_directory(directory), tmp_path_factory.mktemp(f"{family}-gguf") / f"{family}-q4_0.gguf",
                       dtype="q4_0")
-    artifacts = _export_and_compile(path, tmp_path_factory.mktemp("mixtral-q4_0-artifacts"), EXPORT_ARGS)
+    artifacts = _export_and_compile(path, tmp_path_factory.mktemp(f"{family}-q4_0-artifacts"), EXPORT_ARGS)
     checkpoint = load_checkpoint(path)
     options = ExportOptions().validate(256, checkpoint.stored_quantization)
     assert options.quantize == "q4_0"
     return Program(Artifacts.in_directory(artifacts)), build_model(checkpoint, options)
+
+
+@pytest.fixture(scope="module")
+def quantized_mixture(tmp_path_factory):
+    """The tiny Mixtral as a Q4_0 GGUF: its experts' blocks served as stored."""
+    return q4_0_gguf_build("mixtral", tmp_path_factory)
 
 
 def test_a_quantized_mixture_matches_its_eager_model_call_for_call(quantized_mixture):
@@ -112,4 +117,18 @@ def test_a_quantized_mixture_matches_its_eager_model_call_for_call(quantized_mix
     program, reference = quantized_mixture
     assert type(reference.model.layers[0].mlp.experts).__name__ == "QuantizedExperts"
     rng = np.random.default_rng(5)
+    check_call_for_call(program, reference, [rng.integers(4, 384, n).tolist() for n in (5, 16, 37)], 1e-4)
+
+
+@pytest.fixture(scope="module")
+def quantized_glm4(tmp_path_factory):
+    """The tiny GLM-4 as a Q4_0 GGUF: its fused gate_up's blocks split, its q and k blocks' rows
+    reordered from adjacent rotary pairs, over half of each head."""
+    return q4_0_gguf_build("glm4", tmp_path_factory)
+
+
+def test_a_glm4_gguf_s_reordered_blocks_match_its_eager_model_call_for_call(quantized_glm4):
+    program, reference = quantized_glm4
+    assert reference.config.rotary_dim == reference.config.head_dim // 2
+    rng = np.random.default_rng(6)
     check_call_for_call(program, reference, [rng.integers(4, 384, n).tolist() for n in (5, 16, 37)], 1e-4)

@@ -16,6 +16,7 @@ from kiln.models.loader import load_hf_directory
 from kiln.runtime.errors import ModelLoadError
 
 from tests.hf_families import FAMILIES, transformers_gguf, transformers_model, write_family_checkpoint
+from tests.tiny_model import make_tiny_tokenizer
 
 
 pytest.importorskip("transformers")
@@ -190,14 +191,16 @@ def test_a_gemma2_gguf_scales_scores_as_llama_cpp_does():
         4096, 50.0, 30.0)
 
 
-def test_a_fused_phi3_tensors_blocks_are_split_with_its_rows(tmp_path):
-    """A Q8_0 Phi-3 GGUF's attn_qkv and ffn_up (gate_up) blocks are served as stored: each part's
-    blocks are its rows of the fused tensor's, and stand for the weight read."""
+@pytest.mark.parametrize("family", ["phi3", "glm4", "ernie4_5"])
+def test_a_gguf_s_fused_and_reordered_blocks_are_served_with_their_rows(tmp_path, family):
+    """A Q8_0 GGUF's blocks are served as stored: Phi-3's attn_qkv and Phi-3's and GLM-4's ffn_up
+    (gate_up) split, each part's blocks its rows of the fused tensor's; GLM-4's and ERNIE's q and k
+    rows reordered from adjacent rotary pairs; each standing for the weight read."""
     from kiln.models.gguf_loader import load_gguf
     from kiln.models.gguf_writer import write_gguf
 
-    checkpoint = load_hf_directory(write_family_checkpoint("phi3", tmp_path / "hf"))
-    loaded = load_gguf(write_gguf(checkpoint, tmp_path / "phi3-q8_0.gguf", dtype="q8_0"))
+    checkpoint = load_hf_directory(write_family_checkpoint(family, tmp_path / "hf"))
+    loaded = load_gguf(write_gguf(checkpoint, tmp_path / f"{family}-q8_0.gguf", dtype="q8_0"))
     assert loaded.stored_quantization == "q8_0"
     for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
         name = f"model.layers.2.{part}.weight"
@@ -383,3 +386,26 @@ def test_a_multimodal_gemma3_is_served_as_its_language_model(tmp_path):
     assert "vocab_size" in values["text_config"] and "rms_norm_eps" not in values["text_config"]
     (directory / "config.json").write_text(json.dumps(values))
     assert load_hf_directory(directory).config == whole.config
+
+
+def test_a_mistral3_is_served_as_its_language_model(tmp_path):
+    """Mistral Small 3.1/3.2's checkpoints are Mistral3ForConditionalGeneration: its `text_config` and
+    its language model's tensors, against transformers' own multimodal model on text alone."""
+    import transformers as tf
+
+    text = tf.MistralConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=None)
+    vision = tf.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                    image_size=28, patch_size=14, head_dim=16)
+    torch.manual_seed(0)
+    model = tf.Mistral3ForConditionalGeneration(tf.Mistral3Config(text_config=text, vision_config=vision,
+                                                                  image_token_index=380)).eval()
+    model.save_pretrained(tmp_path)
+    make_tiny_tokenizer(384).save(str(tmp_path / "tokenizer.json"))
+    checkpoint = load_hf_directory(tmp_path)
+    assert checkpoint.config.architecture == "llama" and not any("vision" in name for name in checkpoint.tensors)
+    tokens = torch.tensor([PROMPT])
+    with torch.no_grad():
+        want = model(tokens).logits[0]
+        got = PagedLlama(checkpoint.config).load_tensors(checkpoint.tensors).eval().forward_reference(tokens)[0]
+    assert (got - want).abs().max() < 1e-4
