@@ -66,6 +66,7 @@ class LlamaConfig:
     moe_intermediate_size: int = 0  # each expert's; 0: intermediate_size
     norm_topk_prob: bool = True  # the chosen experts' weights renormalized to sum to 1
     dense_layers: list[int] = field(default_factory=list)  # layers with a dense MLP all the same
+    shared_expert_intermediate_size: int = 0  # an expert every token runs, its output gated (Qwen2-MoE); 0: none
 
     @property
     def is_diffusion(self) -> bool:

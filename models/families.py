@@ -437,14 +437,24 @@ def mixtral_config(values: dict, name: str) -> LlamaConfig:
 def qwen3_moe_config(values: dict, name: str) -> LlamaConfig:
     """Qwen3-MoE: Qwen3's attention; experts in every `decoder_sparse_step`-th layer not listed in
     `mlp_only_layers`, their weights renormalized when `norm_topk_prob` says so."""
+    return hf_llama_config(values, name, "qwen3_moe", attention_bias=False, qk_norm=True, **_qwen_experts(values))
+
+
+def qwen2_moe_config(values: dict, name: str) -> LlamaConfig:
+    """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention (q/k/v biases), Qwen3-MoE's
+    experts, and beside them a shared expert every token runs, gated by a sigmoid."""
+    return hf_llama_config(values, name, "qwen2_moe", attention_bias=True, **_qwen_experts(values),
+                           shared_expert_intermediate_size=int(values.get("shared_expert_intermediate_size") or 0))
+
+
+def _qwen_experts(values: dict) -> dict:
+    """Qwen's mixtures: experts in every `decoder_sparse_step`-th layer not in `mlp_only_layers`."""
     step = int(values.get("decoder_sparse_step") or 1)
     only = set(values.get("mlp_only_layers") or [])
     layers = int(values.get("num_hidden_layers", 0))
-    return hf_llama_config(values, name, "qwen3_moe", attention_bias=False, qk_norm=True,
-                           moe_intermediate_size=int(values.get("moe_intermediate_size") or 0),
-                           norm_topk_prob=bool(values.get("norm_topk_prob", False)),
-                           dense_layers=[i for i in range(layers) if i in only or (i + 1) % step],
-                           **_expert_counts(values))
+    return dict(moe_intermediate_size=int(values.get("moe_intermediate_size") or 0),
+                norm_topk_prob=bool(values.get("norm_topk_prob", False)),
+                dense_layers=[i for i in range(layers) if i in only or (i + 1) % step], **_expert_counts(values))
 
 
 def _stacked_experts(tensors: Mapping, config: LlamaConfig, moe: str, names: dict[str, str]) -> LazyArrays:
@@ -489,5 +499,6 @@ def mixtral_tensors(tensors: Mapping, config: LlamaConfig) -> LazyArrays:
 
 
 def qwen3_moe_tensors(tensors: Mapping, config: LlamaConfig) -> LazyArrays:
-    """Qwen3-MoE's `mlp.experts.{j}.{gate,up,down}_proj`, stacked."""
+    """Qwen3-MoE's and Qwen2-MoE's `mlp.experts.{j}.{gate,up,down}_proj`, stacked (Qwen2-MoE's
+    `mlp.shared_expert.*` and `mlp.shared_expert_gate` as they are)."""
     return _stacked_experts(tensors, config, "mlp", {k: k for k in ("gate_proj", "up_proj", "down_proj")})

@@ -12,8 +12,8 @@ import functools
 import math
 import mmap
 import re
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -53,6 +53,10 @@ LAYER_NAMES = {
     "post_ffw_norm": "mlp_output_norm",
     "attn_qkv": "self_attn.qkv_proj",  # Phi-3's q, k and v in one (split on reading)
     "ffn_gate_inp": "mlp.gate",  # a mixture's router
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",  # Qwen2-MoE's shared expert, and its gate
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # A mixture's experts, each a [E, rows, K] stack: GGUF name -> Kiln's parameter (no .weight).
 EXPERT_NAMES = {"ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
@@ -315,6 +319,7 @@ def _config_from_metadata(meta: dict[str, Any], tensor_rows: dict[str, int], nam
         # Mixtral and Qwen3-MoE whatever the file says; expert_weights_norm, where written, is kept.
         fields |= dict(num_experts=int(experts), num_experts_per_tok=int(key("expert_used_count", required=True)),
                        moe_intermediate_size=int(key("expert_feed_forward_length", 0)),
+                       shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length", 0)),
                        norm_topk_prob=bool(key("expert_weights_norm", True)),
                        dense_layers=[layer for layer in range(fields["num_hidden_layers"])
                                      if f"blk.{layer}.ffn_gate_inp.weight" not in tensor_rows])
@@ -570,6 +575,11 @@ def _check_tensors(config: LlamaConfig, tensors: LazyArrays, path: Path) -> None
                 p + "mlp.experts.up_proj": (e, ff, c.hidden_size),
                 p + "mlp.experts.down_proj": (e, c.hidden_size, ff),
             }
+            if shared := c.shared_expert_intermediate_size:
+                expected |= {p + "mlp.shared_expert_gate.weight": (1, c.hidden_size),
+                             p + "mlp.shared_expert.gate_proj.weight": (shared, c.hidden_size),
+                             p + "mlp.shared_expert.up_proj.weight": (shared, c.hidden_size),
+                             p + "mlp.shared_expert.down_proj.weight": (c.hidden_size, shared)}
         else:
             expected |= {
                 p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),

@@ -120,8 +120,10 @@ def write_gguf(checkpoint: Checkpoint, path: str | Path, dtype: str = "f32") -> 
         w.add_expert_count(c.num_experts)
         w.add_expert_used_count(c.num_experts_per_tok)
         w.add_expert_weights_norm(c.norm_topk_prob)
-        if arch == "qwen3_moe":
+        if arch in ("qwen3_moe", "qwen2_moe"):
             w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        if c.shared_expert_intermediate_size:
+            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     if c.sliding_window and c.layer_types:
         w.add_sliding_window(c.sliding_window)
         if arch in ("olmo2", "exaone4"):
@@ -245,8 +247,8 @@ _GATE_UP = {"mlp.gate_proj.weight": ("ffn_up", ("mlp.gate_proj.weight", "mlp.up_
 FUSED = {"phi3": {"self_attn.q_proj.weight": ("attn_qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                                            "self_attn.v_proj.weight")), **_GATE_UP},
          "glm4": _GATE_UP}
-WRITTEN_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma", "gemma2", "smollm3",
-                         "granite", "olmo2", "exaone4", "ernie4_5", "glm4")
+WRITTEN_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "phi3", "gemma", "gemma2",
+                         "smollm3", "granite", "olmo2", "exaone4", "ernie4_5", "glm4")
 
 
 def _tensor_order(name: str):

@@ -21,6 +21,7 @@ counts pages.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 
@@ -330,6 +331,10 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.gate = Router(config.hidden_size, config.num_experts, bias=False)
         self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        # Qwen2-MoE's shared expert: a dense MLP every token runs, scaled by a sigmoid of its own gate.
+        shared = config.shared_expert_intermediate_size
+        self.shared_expert = MLP(dataclasses.replace(config, intermediate_size=shared)) if shared else None
+        self.shared_expert_gate = Router(config.hidden_size, 1, bias=False) if shared else None
         self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
         self.gelu = config.hidden_act == "gelu_tanh"
 
@@ -358,7 +363,18 @@ class SparseMoE(nn.Module):
             experts = torch.arange(self.gate.out_features).view(1, 1, -1)
             dense = ((chosen.unsqueeze(-1) == experts).to(x.dtype) * weights.unsqueeze(-1)).sum(dim=1)  # [M,E]
             out = (out * dense.t().unsqueeze(-1)).sum(dim=0)
-        return out.view(n, t, hidden)
+        out = out.view(n, t, hidden)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared_expert(x)
+        return out
+
+    def shared_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's gate [N,T,1] before its sigmoid: a matmul over its one row padded with
+        zero rows to eight. IREE 3.13's data tiling crashes on a contraction of one output column,
+        whether a matmul or a product summed (iree-compile, CPU); eight columns compile."""
+        weight = self.shared_expert_gate.weight
+        padded = torch.cat((weight, torch.zeros(7, weight.shape[1], dtype=weight.dtype)))
+        return F.linear(x, padded.to(x.dtype))[..., :1]
 
 
 class Scaled(nn.Module):

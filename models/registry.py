@@ -25,8 +25,8 @@ from .families import (GEMMA_CHAT_TEMPLATE, ernie4_5_config, ernie4_5_tensors, e
                        gemma_config, gemma_gguf_config, gemma_tensors, glm4_config, glm4_tensors, granite_config,
                        granite_gguf_config, language_model_tensors, llama_family_config, mixtral_config,
                        mixtral_tensors, olmo2_config, olmo2_gguf_config, olmo2_tensors, phi3_config, phi3_gguf_config,
-                       qwen3_config, qwen3_moe_config, qwen3_moe_tensors, smollm3_config, smollm3_gguf_config,
-                       split_fused_projections)
+                       qwen2_moe_config, qwen3_config, qwen3_moe_config, qwen3_moe_tensors, smollm3_config,
+                       smollm3_gguf_config, split_fused_projections)
 from .hf_loader import hf_llama_config, hf_llama_tensors
 
 AUTOREGRESSIVE = "autoregressive"  # KilnParams.model_kind's default; DIFFUSION is the contract's other kind
@@ -64,6 +64,8 @@ FAMILIES = (
     ModelFamily("qwen2", ("Qwen2ForCausalLM", "Qwen2Model"), (), "qwen2", AUTOREGRESSIVE,
                 lambda values, name: hf_llama_config(values, name, "qwen2", attention_bias=True), _renamed),
     ModelFamily("qwen3", ("Qwen3ForCausalLM", "Qwen3Model"), (), "qwen3", AUTOREGRESSIVE, qwen3_config, _renamed),
+    ModelFamily("qwen2_moe", ("Qwen2MoeForCausalLM",), (), "qwen2moe", AUTOREGRESSIVE, qwen2_moe_config,
+                qwen3_moe_tensors),
     ModelFamily("qwen3_moe", ("Qwen3MoeForCausalLM",), (), "qwen3moe", AUTOREGRESSIVE, qwen3_moe_config,
                 qwen3_moe_tensors),
     # A Mixtral GGUF says `llama` and has experts (gguf_loader tells them apart).

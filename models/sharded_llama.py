@@ -55,7 +55,8 @@ def rank_config(config: LlamaConfig, ranks: int) -> LlamaConfig:
     return replace(config, num_attention_heads=config.num_attention_heads // ranks,
                    num_key_value_heads=config.num_key_value_heads // ranks,
                    intermediate_size=config.intermediate_size // ranks,
-                   moe_intermediate_size=config.moe_intermediate_size // ranks)
+                   moe_intermediate_size=config.moe_intermediate_size // ranks,
+                   shared_expert_intermediate_size=config.shared_expert_intermediate_size // ranks)
 
 
 def attention_shard(attn: Attention, config: LlamaConfig, rank: int) -> Attention:
@@ -86,6 +87,9 @@ def mlp_shard(mlp: MLP | SparseMoE, config: LlamaConfig, rank: int) -> MLP | Spa
         shard.experts.gate_proj = nn.Parameter(e.gate_proj[:, part].clone())
         shard.experts.up_proj = nn.Parameter(e.up_proj[:, part].clone())
         shard.experts.down_proj = nn.Parameter(e.down_proj[:, :, part].clone())
+        if mlp.shared_expert is not None:  # its columns cut as a dense MLP's; its gate whole, scaling each part
+            shard.shared_expert = mlp_shard(mlp.shared_expert, replace(
+                config, intermediate_size=config.shared_expert_intermediate_size), rank)
         return shard
     part = slice(rank * config.intermediate_size, (rank + 1) * config.intermediate_size)
     shard = MLP(config)

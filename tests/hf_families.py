@@ -36,16 +36,17 @@ def _yarn() -> dict:
 
 
 def family_configs() -> dict:
-    """Each family's transformers config, at the tiny sizes, with its distinguishing features on:
-    Mistral's window over every layer, Qwen3's head size apart from hidden / heads, Qwen3-MoE's experts
-    unnormalized beside a dense layer and YaRN, Mixtral's renormalized, Phi-3's LongRoPE past a 32-token
-    original context and sliding window, Phi-4-mini's besides over three quarters of each head (partial
-    rotary), SmolLM3's fourth layer without rotary, Granite's four multipliers, ERNIE's adjacent rotary
-    pairs, GLM-4's over half of each head, OLMo 2's norms after (not before) attention and the MLP,
-    OLMo 3's sliding layers beside YaRN-scaled global ones, EXAONE 4's global layers without rotary,
-    Gemma's head larger than hidden / heads, Gemma 2's soft-capping, Gemma 3's local layers, rotary
-    bases and linear scaling on its global layers, and Gemma 3's as a multimodal checkpoint's
-    language model (Gemma3ForConditionalGeneration, beside a vision tower)."""
+    """Each family's transformers config, at the tiny sizes, with its distinguishing features on: Mistral's
+    window over every layer, Qwen3's head size apart from hidden / heads, Qwen3-MoE's experts
+    unnormalized beside a dense layer and YaRN, Qwen2-MoE's with a gated shared expert, Mixtral's
+    renormalized, Phi-3's LongRoPE past a 32-token original context and sliding window, Phi-4-mini's
+    over three quarters of each head (partial rotary), SmolLM3's fourth layer without rotary,
+    Granite's four multipliers, ERNIE's adjacent rotary pairs, GLM-4's over half of each head, OLMo 2's
+    norms after (not before) attention and the MLP, OLMo 3's sliding layers beside YaRN-scaled global
+    ones, EXAONE 4's global layers without rotary, Gemma's head larger than hidden / heads, Gemma 2's
+    soft-capping, Gemma 3's local layers, rotary bases and linear scaling on its global layers, and
+    Gemma 3's as a multimodal checkpoint's language model (Gemma3ForConditionalGeneration, beside a
+    vision tower)."""
     import transformers as tf
 
     gemma3_text = tf.Gemma3TextConfig(
@@ -63,6 +64,9 @@ def family_configs() -> dict:
         "qwen3_moe": tf.Qwen3MoeConfig(**SHAPES, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                        mlp_only_layers=[1], norm_topk_prob=False, tie_word_embeddings=False,
                                        rope_parameters=_yarn()),
+        "qwen2_moe": tf.Qwen2MoeConfig(**SHAPES, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                       shared_expert_intermediate_size=96, mlp_only_layers=[1], norm_topk_prob=False,
+                                       tie_word_embeddings=False),
         "mixtral": tf.MixtralConfig(**SHAPES, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
         "smollm3": tf.SmolLM3Config(**SHAPES | {"num_hidden_layers": 4}, tie_word_embeddings=True),
         "granite": tf.GraniteConfig(**SHAPES, embedding_multiplier=2.0, attention_multiplier=0.2,
@@ -87,8 +91,8 @@ def family_configs() -> dict:
     }
 
 
-FAMILIES = ("mistral", "qwen3", "qwen3_moe", "mixtral", "phi3", "phi4_mini", "smollm3", "granite", "ernie4_5",
-            "glm4", "olmo2", "olmo3", "exaone4", "gemma", "gemma2", "gemma3", "gemma3_vision")
+FAMILIES = ("mistral", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "phi3", "phi4_mini", "smollm3", "granite",
+            "ernie4_5", "glm4", "olmo2", "olmo3", "exaone4", "gemma", "gemma2", "gemma3", "gemma3_vision")
 
 
 def write_family_checkpoint(family: str, directory: Path, seed: int = 0) -> Path:

@@ -126,11 +126,11 @@ def test_qwen3_gguf_round_trip_reads_as_transformers_does(tmp_path):
 GGUF_IMPLIED = {"gemma2": {"query_pre_attn_scalar": 16.0}}
 
 
-@pytest.mark.parametrize("family,arch", [("qwen3_moe", "qwen3moe"), ("mixtral", "llama"), ("phi3", "phi3"),
-                                         ("phi4_mini", "phi3"), ("smollm3", "smollm3"), ("granite", "granite"),
-                                         ("ernie4_5", "ernie4_5"), ("glm4", "glm4"), ("olmo2", "olmo2"),
-                                         ("olmo3", "olmo2"), ("exaone4", "exaone4"), ("gemma", "gemma"),
-                                         ("gemma2", "gemma2")])
+@pytest.mark.parametrize("family,arch", [("qwen3_moe", "qwen3moe"), ("qwen2_moe", "qwen2moe"), ("mixtral", "llama"),
+                                         ("phi3", "phi3"), ("phi4_mini", "phi3"), ("smollm3", "smollm3"), ("granite",
+                                         "granite"), ("ernie4_5", "ernie4_5"), ("glm4", "glm4"), ("olmo2", "olmo2"),
+                                         ("olmo3", "olmo2"), ("exaone4", "exaone4"), ("gemma", "gemma"), ("gemma2",
+                                         "gemma2")])
 def test_a_familys_gguf_reads_back_as_its_hf_checkpoint(tmp_path, family, arch):
     """Written as llama.cpp's converter lays the family out (experts stacked as ffn_*_exps under a
     router ffn_gate_inp; Phi-3's attn_qkv and gate_up as ffn_up, its LongRoPE factors as tensors;
