@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -52,17 +53,27 @@ def test_the_scale_bench_measures_a_built_model_and_its_server(tiny_artifacts):
 
 
 def test_the_process_tree_takes_in_processes_started_from_any_thread():
-    """A server starts its build from a thread of its own: the tree (and its peak memory) holds it."""
+    """A server starts its build from a thread of its own, which lives while the build runs: the tree
+    (and its peak memory) holds the build. (Checked while the thread lives: once it exits, the kernel
+    hands its children to another thread only after a join has already returned.)"""
     import subprocess
     import threading
 
-    started = []
-    thread = threading.Thread(target=lambda: started.append(subprocess.Popen(["sleep", "30"])))
+    started, checked = [], threading.Event()
+
+    def build():
+        started.append(subprocess.Popen(["sleep", "30"]))
+        checked.wait(30)
+
+    thread = threading.Thread(target=build)
     thread.start()
-    thread.join()
     try:
+        while not started:
+            time.sleep(0.01)
         assert started[0].pid in scale_bench._tree(os.getpid())
     finally:
+        checked.set()
+        thread.join()
         started[0].kill()
         started[0].wait()
 
