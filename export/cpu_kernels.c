@@ -485,11 +485,11 @@ static void q4_rows(const int8_t *q, const float *xs, const int8_t *w, const flo
   }
 }
 
+/* y [M, N] rows [row0, row0 + rows) for M input rows and one 4-bit weight (w [N, K / 2], ws and
+ * wo [G, N]), the pointers at their data. */
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-void kiln_row_matmul_q4(MEMREF_I8(q), MEMREF_F32(xs), MEMREF_F32(xsum), MEMREF_I8(w), MEMREF_F32(ws),
-                        MEMREF_F32(wo), float *y_allocated, float *restrict y, size_t y_offset, size_t y_size,
-                        size_t y_stride, size_t n_dim, size_t k_dim, size_t m_dim, size_t row0, size_t rows) {
-  BLOCK_OPERANDS_AT_OFFSETS();
+static void q4_matmul(const int8_t *q, const float *xs, const float *xsum, const int8_t *w, const float *ws,
+                      const float *wo, float *y, size_t n_dim, size_t k_dim, size_t m_dim, size_t row0, size_t rows) {
   const size_t groups = k_dim / 32, row_bytes = k_dim / 2;
   const size_t end = row0 + rows < n_dim ? row0 + rows : n_dim;
   /* The offset terms: y[m] = sum_g (xs[m][g] * xsum[m][g]) * wo[g][rows]; the sums are added below. */
@@ -526,6 +526,58 @@ void kiln_row_matmul_q4(MEMREF_I8(q), MEMREF_F32(xs), MEMREF_F32(xsum), MEMREF_I
   }
 }
 
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+void kiln_row_matmul_q4(MEMREF_I8(q), MEMREF_F32(xs), MEMREF_F32(xsum), MEMREF_I8(w), MEMREF_F32(ws),
+                        MEMREF_F32(wo), float *y_allocated, float *restrict y, size_t y_offset, size_t y_size,
+                        size_t y_stride, size_t n_dim, size_t k_dim, size_t m_dim, size_t row0, size_t rows) {
+  BLOCK_OPERANDS_AT_OFFSETS();
+  q4_matmul(q, xs, xsum, w, ws, wo, y, n_dim, k_dim, m_dim, row0, rows);
+}
+
+#define MEMREF_I64(name) \
+  const int64_t *name##_allocated, const int64_t *restrict name, size_t name##_offset, size_t name##_size, \
+  size_t name##_stride
+
+/* A mixture's experts, each read where it lies in the stack, for P (expert, input row) pairs:
+ * y[p] = q[row p] times expert p's weight, y [P, N]. The stack is one block weight per expert, as
+ * the one-row kernels take a dense one: with EXPERT_NIBBLES, 4-bit values (w [E, N, K / 2], ws and
+ * wo [E, G, N]); else int8 (w [E, N, K]) with the int8 kernel's flags: block scales ws [E, G, N]
+ * (and offsets wo [E, G, N] with Q8_OFFSETS), row scales ws [E, N], or half-block scales
+ * ws [E, 2 G, N]; without offsets wo is not read. A decode step's tokens take their k chosen
+ * experts this way, reading k experts' bytes and widening none; a prefill's too, expert by expert,
+ * so that the workgroup's rows of an expert stay in cache for every token that chose it. Each
+ * pair's result is the one-row kernel's for one input row, the same whatever other pairs share
+ * the call. A pair naming no expert of the stack is left alone, never read past. */
+enum { EXPERT_NIBBLES = 1 << Q8_ROWS_SHIFT };
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+void kiln_expert_matmul(MEMREF_I8(q), MEMREF_F32(xs), MEMREF_F32(xsum), MEMREF_I8(w), MEMREF_F32(ws),
+                        MEMREF_F32(wo), MEMREF_I64(pairs), float *y_allocated, float *restrict y, size_t y_offset,
+                        size_t y_size, size_t y_stride, size_t n_dim, size_t k_dim, size_t e_dim, size_t flags,
+                        size_t p_dim, size_t row0, size_t rows) {
+  BLOCK_OPERANDS_AT_OFFSETS();
+  (void)pairs_allocated; (void)pairs_size; (void)pairs_stride;
+  pairs += pairs_offset;
+  const size_t groups = k_dim / 32, nibbles = (flags & EXPERT_NIBBLES) != 0;
+  const size_t expert_values = n_dim * (nibbles ? k_dim / 2 : k_dim);
+  const size_t expert_scales = flags & Q8_ROW_SCALES ? n_dim : (flags & Q8_HALF_BLOCKS ? 2 : 1) * groups * n_dim;
+  const size_t expert_offsets = nibbles || flags & Q8_OFFSETS ? groups * n_dim : 0;
+  for (size_t expert = 0; expert < e_dim; ++expert) {
+    for (size_t p = 0; p < p_dim; ++p) {
+      if ((size_t)pairs[2 * p] != expert) continue;
+      const size_t row = (size_t)pairs[2 * p + 1];
+      const int8_t *x = q + row * k_dim;
+      const float *x_scales = xs + row * groups, *x_sums = xsum + row * groups;
+      const int8_t *values = w + expert * expert_values;
+      const float *scales = ws + expert * expert_scales, *offsets = wo + expert * expert_offsets;
+      if (nibbles)
+        q4_matmul(x, x_scales, x_sums, values, scales, offsets, y + p * n_dim, n_dim, k_dim, 1, row0, rows);
+      else
+        q8_one_input(x, x_scales, x_sums, values, scales, offsets, y + p * n_dim, n_dim, k_dim, flags, row0, rows);
+    }
+  }
+}
+
 /* Decode attention over the paged KV cache, reading each page where it lies.
  *
  * The model's own form gathers every K and V page of every sequence into a contiguous copy and
@@ -542,10 +594,6 @@ void kiln_row_matmul_q4(MEMREF_I8(q), MEMREF_F32(xs), MEMREF_F32(xsum), MEMREF_I
  * head_dim * stride elements); visible [rows] how many keys each row's query sees (0 for a
  * padding row, whose output is 0). A page past the end of the cache is skipped, never read.
  */
-#define MEMREF_I64(name) \
-  const int64_t *name##_allocated, const int64_t *restrict name, size_t name##_offset, size_t name##_size, \
-  size_t name##_stride
-
 enum { ATTENTION_KEYS = 16, ATTENTION_MAX_GROUP = 16, ATTENTION_MAX_HEAD_DIM = 256 };
 
 /* exp(x) for float32 lanes: 2^n * exp(r), n = round(x / ln 2), |r| <= ln 2 / 2, exp(r) by its

@@ -23,6 +23,7 @@ architecture.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import platform
 import shutil
@@ -38,7 +39,7 @@ from kiln.models.quantize import BLOCK, unpack_nibbles
 from kiln.runtime.errors import ExportError
 
 from .compile import CPU_KERNELS_OBJECT as OBJECT_FILE
-from .custom_ops import KILN_LIBRARY, emit_function
+from .custom_ops import KILN_LIBRARY, emit_function, static_dims
 from .weight_matmul import weight_matmul_kernel
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -433,6 +434,171 @@ class row_nibbles(CustomOp):
         emit_function(kb, name, _row_blocks_text(name, width * 2, n, has_offset=True, packed=True, m=m))
 
 
+# The expert kernel's flag for 4-bit values two a byte, beside the int8 kernel's (cpu_kernels.c).
+EXPERT_NIBBLES = 1 << Q8_ROWS_SHIFT
+
+
+def _expert_blocks_text(name: str, shapes: dict[str, tuple], flags: int) -> str:
+    """A module holding the expert kernel's executable and `name`, which dispatches it on M rows of
+    quantized input (q [M, K] int8, xs and xsum [M, G]), a stack of block weights (w [E, N, K] int8,
+    or [E, N, K / 2] with EXPERT_NIBBLES; ws and wo as `flags` says: see cpu_kernels.c) and
+    (expert, input row) pairs ([P, 2] int64) for y [P, N]. `shapes` holds each operand's dims, M
+    and P None where they are dynamic (a prefill's tokens). Every size reaches the kernel as an
+    operand (one body for every shape, as _row_blocks_text's)."""
+    experts, n, _ = shapes["w"]
+    k = shapes["q"][1]
+    m, pairs = shapes["q"][0], shapes["pairs"][0]
+    elements = {"q": "i8", "xs": "f32", "xsum": "f32", "w": "i8", "ws": "f32", "wo": "f32", "pairs": "i64"}
+    names = list(elements)
+    i8, f32, i64 = "memref<?xi8>", "memref<?xf32>", "memref<?xi64>"
+
+    def spelled(size):
+        return "?" if size is None else str(size)
+
+    tensor = {a: f"tensor<{'x'.join(map(spelled, shapes[a]))}x{elements[a]}>" for a in names}
+    flat_type = {a: f"tensor<{spelled(None if None in shapes[a] else math.prod(shapes[a]))}x{elements[a]}>"
+                 for a in names}
+    out_type = f"tensor<{spelled(pairs)}x{n}xf32>"
+    out_flat = f"tensor<{spelled(None if pairs is None else pairs * n)}xf32>"
+    # A dynamic tensor's element count: its leading size (%m or %p) times the rest, %c<rest>.
+    lines, constants, dynamic = [], set(), {}
+    for a, dims in [*shapes.items(), ("y", (pairs, n))]:
+        if None in dims:
+            rest = math.prod(dims[1:])
+            constants.add(f"%c{rest} = arith.constant {rest} : index")
+            lines.append(f"%{a}_count = arith.muli %{'m' if a in ('q', 'xs', 'xsum') else 'p'}, %c{rest} : index")
+            dynamic[a] = f"{{%{a}_count}}"
+        else:
+            dynamic[a] = ""
+    sizes = [f"%m = arith.constant {m} : index" if m is not None else f"%m = tensor.dim %q, %c0 : {tensor['q']}",
+             f"%p = arith.constant {pairs} : index" if pairs is not None else
+             f"%p = tensor.dim %pairs, %c0 : {tensor['pairs']}"]
+    setup = "\n  ".join(["%c0 = arith.constant 0 : index", *sizes, *sorted(constants), *lines])
+    arguments = ", ".join(f"%{a}: {tensor[a]}" for a in names)
+    collapses = "\n  ".join(
+        f"%{a}_flat = tensor.collapse_shape %{a} [[{', '.join(map(str, range(len(shapes[a]))))}]] : {tensor[a]} "
+        f"into {flat_type[a]}" for a in names)
+    flats = ", ".join(f"%{a}_flat" for a in names)
+    flat_types = ", ".join(f"{flat_type[a]}{dynamic[a]}" for a in names)
+    return f"""module {{
+{executable_header(name, "expert_blocks")}
+  builtin.module {{
+    func.func private @kiln_expert_matmul({i8}, {f32}, {f32}, {i8}, {f32}, {f32}, {i64}, {f32}, index, index,
+                                          index, index, index, index, index) attributes {{hal.import.static}}
+    func.func @expert_blocks(%q_binding: !stream.binding, %xs_binding: !stream.binding,
+                             %xsum_binding: !stream.binding, %w_binding: !stream.binding,
+                             %ws_binding: !stream.binding, %wo_binding: !stream.binding,
+                             %pairs_binding: !stream.binding, %y_binding: !stream.binding, %n: index, %k: index,
+                             %e: index, %flags: index, %m: index, %p: index, %w_size: index, %ws_size: index,
+                             %wo_size: index) {{
+      %c0 = arith.constant 0 : index
+      %c2 = arith.constant 2 : index
+      %rows = arith.constant {ROWS_PER_WORKGROUP} : index
+      %block = arith.constant {BLOCK} : index
+      %groups = arith.divui %k, %block : index
+      %group = stream.dispatch.workgroup.id[0] : index
+      %row0 = arith.muli %group, %rows : index
+      %mk = arith.muli %m, %k : index
+      %mg = arith.muli %m, %groups : index
+      %p2 = arith.muli %p, %c2 : index
+      %pn = arith.muli %p, %n : index
+      %q = stream.binding.subspan %q_binding[%c0] : !stream.binding -> {i8}{{%mk}}
+      %xs = stream.binding.subspan %xs_binding[%c0] : !stream.binding -> {f32}{{%mg}}
+      %xsum = stream.binding.subspan %xsum_binding[%c0] : !stream.binding -> {f32}{{%mg}}
+      %w = stream.binding.subspan %w_binding[%c0] : !stream.binding -> {i8}{{%w_size}}
+      %ws = stream.binding.subspan %ws_binding[%c0] : !stream.binding -> {f32}{{%ws_size}}
+      %wo = stream.binding.subspan %wo_binding[%c0] : !stream.binding -> {f32}{{%wo_size}}
+      %pairs = stream.binding.subspan %pairs_binding[%c0] : !stream.binding -> {i64}{{%p2}}
+      %y = stream.binding.subspan %y_binding[%c0] : !stream.binding -> {f32}{{%pn}}
+      func.call @kiln_expert_matmul(%q, %xs, %xsum, %w, %ws, %wo, %pairs, %y, %n, %k, %e, %flags, %p, %row0, %rows)
+          : ({i8}, {f32}, {f32}, {i8}, {f32}, {f32}, {i64}, {f32}, index, index, index, index, index, index,
+             index) -> ()
+      return
+    }}
+  }}
+}}
+util.func private @{name}({arguments}) -> {out_type} {{
+  %n = arith.constant {n} : index
+  %k = arith.constant {k} : index
+  %e = arith.constant {experts} : index
+  %flags = arith.constant {flags} : index
+  %w_size = arith.constant {math.prod(shapes["w"])} : index
+  %ws_size = arith.constant {math.prod(shapes["ws"])} : index
+  %wo_size = arith.constant {math.prod(shapes["wo"])} : index
+  {setup}
+  {collapses}
+  %y_flat = flow.dispatch @{name}_executable::@expert_blocks[%n]({flats}, %n, %k, %e, %flags, %m, %p, %w_size,
+      %ws_size, %wo_size) : ({flat_types}, index, index, index, index, index, index, index, index, index)
+      -> {out_flat}{dynamic["y"]}
+  %y = tensor.expand_shape %y_flat [[0, 1]] output_shape [{spelled(pairs) if pairs else '%p'}, {n}] : {out_flat} into {out_type}
+  util.return %y : {out_type}
+}}
+}}"""
+
+
+def eager_expert_blocks(q, xs, xsum, w, ws, wo, pairs, flags):
+    """The expert kernel's arithmetic in torch: for each (expert, input row) pair, the one-row
+    kernel's product of that row with that expert's weight, [P, N]."""
+    nibbles, offsets = bool(flags & EXPERT_NIBBLES), bool(flags & (EXPERT_NIBBLES | Q8_OFFSETS))
+    return torch.cat([eager_row_blocks(q[row:row + 1], xs[row], unpack_nibbles(w[expert]) if nibbles else w[expert],
+                                       ws[expert], xsum[row] if offsets else None, wo[expert] if offsets else None)
+                      for expert, row in pairs.tolist()])
+
+
+@CustomOp.register(library=KILN_LIBRARY)
+class expert_blocks(CustomOp):
+    """M int8 rows in blocks of 32 (q [M, K], xs and xsum [M, G]) times a mixture's stacked block
+    experts (w [E, N, K] int8, or [E, N, K / 2] two values a byte; scales and offsets as `flags`
+    says, see cpu_kernels.c), for (expert, input row) pairs ([P, 2] int64): float32 [P, N] through
+    the hand-written kernel, each expert read where it lies. Without offsets, xsum and wo are
+    passed and not read (xs and ws will do)."""
+
+    signature = ("expert_blocks(Tensor q, Tensor xs, Tensor xsum, Tensor w, Tensor ws, Tensor wo, Tensor pairs, "
+                 "int flags) -> Tensor")
+
+    def select(self, ksel: KernelSelection):
+        q, xs, xsum, w, ws, wo, pairs = (ksel.arg_tensor(i) for i in range(7))
+        ksel.attr_int(7)
+        k = q.t.shape[1]
+        n = w.t.shape[1]
+        torch._check(q.t.dtype == w.t.dtype == torch.int8 and k % BLOCK == 0 and w.t.shape[2] in (k, k // 2),
+                     lambda: "expert_blocks: int8 q [M, K] and w [E, N, K] (or [E, N, K / 2]), K a multiple of 32")
+        # M and P may be dynamic (a prefill's), each then a size of its own here: not compared.
+        torch._check(xs.t.shape[1] == xsum.t.shape[1] == k // BLOCK and ws.t.shape[-1] == wo.t.shape[-1] == n,
+                     lambda: "expert_blocks: xs and xsum [M, G], scales and offsets [E, ..., N]")
+        torch._check(all(a.t.dtype == torch.float32 for a in (xs, xsum, ws, wo)),
+                     lambda: "expert_blocks: float32 scales and sums")
+        torch._check(pairs.t.dtype == torch.int64 and pairs.t.dim() == 2 and pairs.t.shape[1] == 2,
+                     lambda: "expert_blocks: pairs [P, 2] int64 (expert, input row)")
+        for arg in (q, xs, xsum, w, ws, wo, pairs):  # a prefill's rows and pairs are dynamic
+            arg.specialize_dims(*static_dims(arg))
+        result = ksel.return_new_tensor([pairs.t.shape[0], n], torch.float32)
+        result.specialize_dims(*static_dims(result))
+
+    def eager_execute(self, q, xs, xsum, w, ws, wo, pairs, flags):
+        return eager_expert_blocks(q, xs, xsum, w, ws, wo, pairs, flags)
+
+    def generate(self, ksel: KernelSelection, kb: KernelBuilder):
+        def dims(binding) -> tuple:
+            return tuple(None if size == ir.ShapedType.get_dynamic_size() else size
+                         for size in ir.RankedTensorType(binding.type).shape)
+
+        shapes = dict(zip(("q", "xs", "xsum", "w", "ws", "wo", "pairs"), (dims(b) for b in kb.arg_bindings[:7])))
+        flags = ksel.arg_descs[7].v
+        sizes = "x".join(str(size or "D") for size in (shapes["q"][0], shapes["pairs"][0], *shapes["w"]))
+        scales = "x".join(map(str, shapes["ws"][1:]))
+        name = f"kiln_expert_blocks_{flags}_{sizes}_{scales}"
+        emit_function(kb, name, _expert_blocks_text(name, shapes, flags))
+
+
+def experts_blocks(q, xs, w, ws, xsum=None, wo=None, *, pairs, packed=False, half_blocks=False):
+    """`experts_blocks` of the matmul contract (models/quantized_experts.py) as the expert kernel: the
+    form's flags from its scales (a row's [E, N], half blocks' [E, 2 G, N]), offsets and packing."""
+    flags = (EXPERT_NIBBLES if packed else Q8_OFFSETS * (wo is not None) | Q8_ROW_SCALES * (ws.dim() == 2)
+             | Q8_HALF_BLOCKS * half_blocks)
+    return expert_blocks(q, xs, xs if xsum is None else xsum, w, ws, ws if wo is None else wo, pairs, flags)
+
+
 def rows_blocks(q, xs, w, ws, xsum=None, wo=None):
     """`rows_blocks` of the matmul contract (models/quantize.py) as the block kernel."""
     return row_blocks(q, xs, w, ws) if wo is None else row_blocks_offset(q, xs, w, ws, xsum, wo)
@@ -458,3 +624,4 @@ def row_matmul_kernel(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | 
 if blocks_supported():
     row_matmul_kernel.rows_blocks = rows_blocks
     row_matmul_kernel.rows_nibbles = row_nibbles
+    row_matmul_kernel.experts_blocks = experts_blocks

@@ -399,13 +399,11 @@ _GEMMA_NORMS = {
 def gemma_tensors(tensors: Mapping, config: LlamaConfig) -> LazyArrays:
     """Gemma's tensors in Kiln's names, each norm's weight as the plain factor it scales by (1 + w),
     as llama.cpp's converter stores them too. (Gemma 1's norms are named as Llama's.)"""
-    source, out = hf_llama_tensors(tensors), LazyArrays()
-    renames = _GEMMA_NORMS if config.sandwich_norms else {}
+    norm_names = _GEMMA_NORMS if config.sandwich_norms else {}
+    source, out = renamed(hf_llama_tensors(tensors), partial(_module_renamed, norm_names)), LazyArrays()
     for name in source:
         if name.endswith("norm.weight"):
-            module = name.split(".")[-2]
-            kiln_name = name.removesuffix(f"{module}.weight") + renames.get(module, module) + ".weight"
-            out.add(kiln_name, source.shape(name), partial(_plus_one, source, name))
+            out.add(name, source.shape(name), partial(_plus_one, source, name))
         else:
             out.add_from(source, name)
     return out

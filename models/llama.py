@@ -293,6 +293,10 @@ class Experts(nn.Module):
         """Every expert of projection `name`: [E, N, K]."""
         return getattr(self, name)
 
+    # Float experts are gathered by `chosen`; a quantized stack may have a kernel that reads them
+    # where they lie (models/quantized_experts.py's `chosen_product`).
+    reads_in_place = False
+
 
 class Router(nn.Linear):
     """A mixture's router: its own type so the quantizer leaves it in float (quantize_model replaces
@@ -325,7 +329,9 @@ class SparseMoE(nn.Module):
     each token's chosen experts' weights and multiplies by them alone (it reads k experts per
     token, which is what bounds a step); a prefill multiplies every token by every expert and
     weighs each result by the routing, zero for an expert not chosen (more arithmetic, but
-    static shapes and no per-expert dispatch)."""
+    static shapes and no per-expert dispatch). Experts a kernel reads where they lie
+    (`reads_in_place`: a quantized stack's, with the CPU kernels) go there in decode and prefill
+    alike: each token times its k chosen experts only."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -350,7 +356,9 @@ class SparseMoE(nn.Module):
         tokens = x.reshape(n * t, hidden)
         weights, chosen = self.routing(tokens)
         e, dtype = self.experts, x.dtype
-        if t == 1:
+        if e.reads_in_place:
+            out = (self.chosen_in_place(tokens, chosen) * weights.unsqueeze(-1)).sum(dim=1)
+        elif t == 1:
             column = tokens.view(n, 1, hidden, 1)
             gate = torch.matmul(e.chosen("gate_proj", chosen, dtype), column)  # [M,k,I,1]
             up = torch.matmul(e.chosen("up_proj", chosen, dtype), column)
@@ -367,6 +375,14 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared_expert(x)
         return out
+
+    def chosen_in_place(self, tokens: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """The chosen experts' outputs [M, k, H] for tokens [M, H] through the kernel that reads
+        them where they lie."""
+        e = self.experts
+        hidden = activate(e.chosen_product("gate_proj", tokens, chosen), self.gelu) * \
+            e.chosen_product("up_proj", tokens, chosen)  # [M, k, I]
+        return e.chosen_product("down_proj", hidden, chosen).to(tokens.dtype)
 
     def shared_gate(self, x: torch.Tensor) -> torch.Tensor:
         """The shared expert's gate [N,T,1] before its sigmoid: a matmul over its one row padded with

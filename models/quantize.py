@@ -155,7 +155,7 @@ def widened(weight: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tens
     return blocks.view(*lead, n, k)
 
 
-def _blocks_of_input(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def blocks_of_input(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """rows [M, K] quantized to int8 per block of 32 as the block kernels take them: values
     [M, K], block scales [M, G] and the blocks' sums of quantized values [M, G] (float32)."""
     m, k = rows.shape
@@ -171,7 +171,7 @@ def weight_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     one_token = isinstance(x.shape[-2], int) and x.shape[-2] == 1
     n, k = weight.shape[0], x.shape[-1]
     if packed and one_token:
-        q, row_scale, x_sum = _blocks_of_input(x.reshape(-1, k))
+        q, row_scale, x_sum = blocks_of_input(x.reshape(-1, k))
         out = matmul.rows_nibbles(q, row_scale, weight, scale, x_sum, offset)
         return out.view(*x.shape[:-1], n)
     if packed:  # many tokens: widened below
@@ -194,7 +194,7 @@ def weight_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     fits = group == BLOCK or (group == BLOCK // 2 and offset is None and k % BLOCK == 0) if blocks else (
         k % BLOCK == 0)
     if whole is not None and fits:
-        q, row_scale, x_sum = _blocks_of_input(rows)
+        q, row_scale, x_sum = blocks_of_input(rows)
         out = whole(q, row_scale, weight, scale, None if offset is None else x_sum, offset)
         return out.view(*x.shape[:-1], n)
     q, row_scale = quantize_rows(rows.float().view(-1, k // group, group))  # [M, G, g], [M, G, 1]
@@ -404,7 +404,7 @@ def quantize_model(model: nn.Module, mode: str, matmul=eager_weight_matmul,
             if type(child) is Experts and mode != FLOAT32:  # float32 experts are already as they would be
                 device = DeviceTensorTrait.get(child.gate_proj)
                 replacement = quantize_experts(child, mode, lambda p: stored[prefix + p] if prefix + p in kept else None,
-                                               load, prefix)
+                                               load, prefix, matmul)
             elif type(child) in (nn.Linear, nn.Embedding):
                 weight = prefix + "weight"
                 blocks = stored[weight] if weight in kept else None

@@ -141,8 +141,6 @@ def test_the_kernel_matches_numpy_with_row_and_channel_tails(tmp_path, k, n, ele
 
 def _compile_blocks_alone(directory, k: int, n: int, has_offset: bool, packed: bool = False, m: int = 1,
                           row_scales: bool = False, half_blocks: bool = False):
-    import iree.runtime as rt
-
     name = f"kiln_row_nibbles_{m}x{n}x{k}" if packed else f"kiln_row_blocks_{n}x{k}"
     body = cpu_kernels._row_blocks_text(name, k, n, has_offset, packed, m, row_scales, half_blocks).strip()
     groups = k // 32
@@ -153,19 +151,27 @@ def _compile_blocks_alone(directory, k: int, n: int, has_offset: bool, packed: b
     if has_offset:
         types += [input_sums, f"tensor<{groups}x{n}xf32>"]
     names = ["%q", "%xs", "%w", "%ws", "%xsum", "%wo"][: len(types)]
+    return _kernel_main(directory, "blocks", body, name, names, types, f"tensor<{m}x{n}xf32>")
+
+
+def _kernel_main(directory, stem: str, body: str, name: str, names: list[str], types: list[str], result: str):
+    """`body` (a kernel's module, whose function `name` takes `types`) compiled beside a public
+    @main that calls it, with the kernels' object: main, to call through iree.runtime."""
+    import iree.runtime as rt
+
     arguments = ", ".join(f"{a}: {t}" for a, t in zip(names, types))
-    (directory / "blocks.mlir").write_text(f"""{body[:-1]}
-util.func public @main({arguments}) -> tensor<{m}x{n}xf32> {{
-  %y = util.call @{name}({", ".join(names)}) : ({", ".join(types)}) -> tensor<{m}x{n}xf32>
-  util.return %y : tensor<{m}x{n}xf32>
+    (directory / f"{stem}.mlir").write_text(f"""{body[:-1]}
+util.func public @main({arguments}) -> {result} {{
+  %y = util.call @{name}({", ".join(names)}) : ({", ".join(types)}) -> {result}
+  util.return %y : {result}
 }}
 }}""")
     cpu_kernels.build_object(directory)
-    run_iree_compile([str(directory / "blocks.mlir"), *target_flags("cpu"),
-                      f"--iree-hal-executable-object-search-path={directory}", "-o", str(directory / "blocks.vmfb")],
-                     "compiling the block kernel")
+    run_iree_compile([str(directory / f"{stem}.mlir"), *target_flags("cpu"),
+                      f"--iree-hal-executable-object-search-path={directory}", "-o", str(directory / f"{stem}.vmfb")],
+                     f"compiling the {stem} kernel")
     context = rt.SystemContext(config=rt.Config("local-task"))
-    context.add_vm_module(rt.VmModule.copy_buffer(context.instance, (directory / "blocks.vmfb").read_bytes()))
+    context.add_vm_module(rt.VmModule.copy_buffer(context.instance, (directory / f"{stem}.vmfb").read_bytes()))
     return context.modules.module.main
 
 
@@ -222,6 +228,65 @@ def test_the_4_bit_kernel_matches_its_eager_form(tmp_path, k, n, m):
         q[i:i + 1], xs[i], values, ws, xsum[i], wo))).numpy() for i in range(m)])
     assert got.shape == (m, n)
     assert relative_error(got, want) < 1e-5
+
+
+def _compile_experts_alone(directory, shapes: dict, flags: int):
+    """The expert kernel's function alone for operands of `shapes` (M and P None: dynamic, a prefill's)."""
+    name = "kiln_expert_blocks_test"
+    body = cpu_kernels._expert_blocks_text(name, shapes, flags).strip()
+    elements = {"q": "i8", "xs": "f32", "xsum": "f32", "w": "i8", "ws": "f32", "wo": "f32", "pairs": "i64"}
+    types = [f"tensor<{'x'.join(str(d or '?') for d in shapes[a])}x{e}>" for a, e in elements.items()]
+    result = f"tensor<{shapes['pairs'][0] or '?'}x{shapes['w'][1]}xf32>"
+    return _kernel_main(directory, "experts", body, name, [f"%{a}" for a in elements], types, result)
+
+
+@pytest.mark.skipif(not cpu_kernels.blocks_supported(), reason="this CPU has no block kernel")
+@pytest.mark.parametrize("dynamic", [False, True], ids=["decode", "prefill"])
+@pytest.mark.parametrize("form", ["q4", "q8_0", "offsets", "rows", "halves"])
+@pytest.mark.parametrize("k,n,m,pairs", [(160, 130, 3, 6), (64, 64, 2, 4)])
+def test_the_expert_kernel_reads_each_pair_s_expert_where_it_lies(tmp_path, k, n, m, pairs, form, dynamic):
+    """A stack of four experts in each form the one-row kernels take (4-bit blocks two a byte; int8
+    blocks, with offsets, with row scales, with a scale per half block) and (expert, input row)
+    pairs: each row times its experts (gate and up: rows taken twice, experts repeated, the last
+    expert), or one row per pair (down), at static sizes (a decode step's) and dynamic ones (a
+    prefill's): each pair's output equal bit for bit to the one-row kernel's for that row and that
+    expert alone, and to the eager form's within float32's sums."""
+    import torch
+
+    from kiln.models.quantize import pack_nibbles
+
+    experts, groups = 4, k // 32
+    packed, has_offset, row_scales, halves = form == "q4", form in ("q4", "offsets"), form == "rows", form == "halves"
+    rng = np.random.default_rng(k + n + m + len(form))
+    q = rng.integers(-127, 128, (m, k)).astype(np.int8)
+    xs = rng.uniform(0.001, 0.02, (m, groups)).astype(np.float32)
+    xsum = q.reshape(m, groups, 32).sum(axis=-1).astype(np.float32)
+    if packed:
+        w = np.stack([pack_nibbles(torch.from_numpy(v)).numpy()
+                      for v in rng.integers(0, 16, (experts, n, k)).astype(np.int8)])
+    else:
+        w = rng.integers(-127, 128, (experts, n, k)).astype(np.int8)
+    ws = rng.uniform(0.001, 0.02, (experts, n) if row_scales else (experts, 2 * groups if halves else groups, n))
+    ws = ws.astype(np.float32)
+    wo = rng.uniform(-0.1, 0.1, (experts, groups, n)).astype(np.float32) if has_offset else ws
+    pair_array = np.array(list(zip([3, 0, 3, 1, 2, 3], [p // (pairs // m) for p in range(pairs)])), dtype=np.int64)
+    flags = cpu_kernels.EXPERT_NIBBLES if packed else (cpu_kernels.Q8_OFFSETS * has_offset
+                                                       | cpu_kernels.Q8_ROW_SCALES * row_scales
+                                                       | cpu_kernels.Q8_HALF_BLOCKS * halves)
+    arrays = dict(q=q, xs=xs, xsum=xsum if has_offset else xs, w=w, ws=ws, wo=wo, pairs=pair_array)
+    shapes = {a: (None, *v.shape[1:]) if dynamic and a in ("q", "xs", "xsum", "pairs") else v.shape
+              for a, v in arrays.items()}
+    got = np.asarray(_compile_experts_alone(tmp_path, shapes, flags)(*arrays.values()))
+    assert got.shape == (pairs, n)
+    (tmp_path / "alone").mkdir()
+    alone = _compile_blocks_alone(tmp_path / "alone", k, n, has_offset, packed, 1, row_scales, halves)
+    for p, (expert, row) in enumerate(pair_array.tolist()):
+        one = [q[row:row + 1], xs[row:row + 1], w[expert], ws[expert]]
+        if has_offset:
+            one += [xsum[row:row + 1], wo[expert]]
+        np.testing.assert_array_equal(got[p:p + 1], np.asarray(alone(*one)), err_msg=f"pair {p}")
+    want = cpu_kernels.eager_expert_blocks(*(torch.from_numpy(a) for a in arrays.values()), flags)
+    assert relative_error(got, want.numpy()) < 1e-5
 
 
 ROWS_KINDS = ("f32", "bf16", "q8_0", "q8_0_offsets", "int8_row_scales", "q4")

@@ -9,6 +9,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
+from kiln.export import cpu_kernels
 from kiln.export.cpu_kernels import support_problem
 from kiln.export.export_model import build_model
 from kiln.export.options import ExportOptions
@@ -92,30 +93,37 @@ def test_served_with_prefix_caching_and_a_draft_of_its_own_family(family_build, 
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16  # whole pages of the prompt
 
 
-def q4_0_gguf_build(family: str, tmp_path_factory) -> tuple:
-    """(the compiled program, the eager model) of the tiny `family` as a Q4_0 GGUF, built as it comes."""
+def gguf_build(family: str, tmp_path_factory, dtype: str = "q4_0") -> tuple:
+    """(the compiled program, the eager model, the artifacts) of the tiny `family` as a GGUF of `dtype`,
+    built as it comes."""
     directory = write_family_checkpoint(family, tmp_path_factory.mktemp(f"{family}-hf"))
-    path = write_gguf(load_hf_directory(directory), tmp_path_factory.mktemp(f"{family}-gguf") / f"{family}-q4_0.gguf",
-                      dtype="q4_0")
-    artifacts = _export_and_compile(path, tmp_path_factory.mktemp(f"{family}-q4_0-artifacts"), EXPORT_ARGS)
+    path = write_gguf(load_hf_directory(directory),
+                      tmp_path_factory.mktemp(f"{family}-gguf") / f"{family}-{dtype}.gguf", dtype=dtype)
+    artifacts = _export_and_compile(path, tmp_path_factory.mktemp(f"{family}-{dtype}-artifacts"), EXPORT_ARGS)
     checkpoint = load_checkpoint(path)
-    options = ExportOptions().validate(256, checkpoint.stored_quantization)
-    assert options.quantize == "q4_0"
-    return Program(Artifacts.in_directory(artifacts)), build_model(checkpoint, options)
+    # The eager model with the kernels' own arithmetic where the build has them.
+    options = ExportOptions(cpu_kernels=support_problem() is None).validate(256, checkpoint.stored_quantization)
+    assert options.quantize == dtype
+    return Program(Artifacts.in_directory(artifacts)), build_model(checkpoint, options), artifacts
 
 
-@pytest.fixture(scope="module")
-def quantized_mixture(tmp_path_factory):
-    """The tiny Mixtral as a Q4_0 GGUF: its experts' blocks served as stored."""
-    return q4_0_gguf_build("mixtral", tmp_path_factory)
+@pytest.fixture(scope="module", params=["q4_0", "q8_0"])
+def quantized_mixture(request, tmp_path_factory):
+    """The tiny Mixtral as a Q4_0 and a Q8_0 GGUF: its experts' blocks served as stored."""
+    return gguf_build("mixtral", tmp_path_factory, request.param)
 
 
 def test_a_quantized_mixture_matches_its_eager_model_call_for_call(quantized_mixture):
-    """Q4_0 experts widened in the compiled graph: a batch-4 prefill with a padded row, then greedy
-    decode steps gathering each token's chosen experts, against the same model in eager torch call
-    for call (integer arithmetic up to float32 scaling: float32's 1e-4)."""
-    program, reference = quantized_mixture
-    assert type(reference.model.layers[0].mlp.experts).__name__ == "QuantizedExperts"
+    """Q4_0 and Q8_0 experts as stored: a batch-4 prefill with a padded row, then greedy decode
+    steps, each token times its chosen experts read where they lie (through the CPU kernel, where
+    this CPU has it; gathered and widened where not, every expert in a prefill), against the same
+    model in eager torch call for call (integer arithmetic up to float32 scaling: float32's 1e-4)."""
+    program, reference, artifacts = quantized_mixture
+    experts = reference.model.layers[0].mlp.experts
+    assert type(experts).__name__ == "QuantizedExperts"
+    assert experts.reads_in_place == (support_problem() is None and cpu_kernels.blocks_supported())
+    if experts.reads_in_place:
+        assert "flow.dispatch @kiln_expert_blocks_" in (artifacts / "model.mlir").read_text()
     rng = np.random.default_rng(5)
     check_call_for_call(program, reference, [rng.integers(4, 384, n).tolist() for n in (5, 16, 37)], 1e-4)
 
@@ -124,11 +132,11 @@ def test_a_quantized_mixture_matches_its_eager_model_call_for_call(quantized_mix
 def quantized_glm4(tmp_path_factory):
     """The tiny GLM-4 as a Q4_0 GGUF: its fused gate_up's blocks split, its q and k blocks' rows
     reordered from adjacent rotary pairs, over half of each head."""
-    return q4_0_gguf_build("glm4", tmp_path_factory)
+    return gguf_build("glm4", tmp_path_factory)
 
 
 def test_a_glm4_gguf_s_reordered_blocks_match_its_eager_model_call_for_call(quantized_glm4):
-    program, reference = quantized_glm4
+    program, reference, _ = quantized_glm4
     assert reference.config.rotary_dim == reference.config.head_dim // 2
     rng = np.random.default_rng(6)
     check_call_for_call(program, reference, [rng.integers(4, 384, n).tolist() for n in (5, 16, 37)], 1e-4)

@@ -74,6 +74,66 @@ def test_a_quantized_mixture_computes_with_its_widened_weights(mode):
             torch.testing.assert_close(moe(tokens), widened(tokens), rtol=1e-5, atol=1e-5)
 
 
+def _kernel_matmul():
+    """A model's matmul whose kernel takes block experts where they lie (the CPU kernels' own op,
+    in its eager arithmetic)."""
+    from kiln.export.cpu_kernels import experts_blocks
+    from kiln.models.quantize import eager_weight_matmul
+
+    def matmul(*args):
+        return eager_weight_matmul(*args)
+
+    matmul.experts_blocks = experts_blocks
+    return matmul
+
+
+@pytest.mark.parametrize("intermediate", [64, 48], ids=["blocks", "rows"])
+@pytest.mark.parametrize("mode", ["q4_0", "q4_1", "q8_0", "int8", "bf16"])
+def test_block_experts_are_read_in_place_where_the_kernel_takes_them(mode, intermediate):
+    """Given a kernel for experts in place, a block-quantized mixture sends each token and its k
+    chosen experts there, in a decode step and a prefill alike (its input quantized per block of
+    32, as a dense layer's in a decode step): each token's output is its experts' kernel products,
+    weighed by the routing, and near the widened weights' float output. Experts it cannot take (a
+    down projection of 48 columns, held as int8 rows of no whole blocks) keep the float path's
+    exact output."""
+    from kiln.export.cpu_kernels import eager_rows_blocks
+    from kiln.models.quantize import blocks_of_input, unpack_nibbles
+
+    moe = mixture(seed=3, intermediate=intermediate)
+    quantize_model(moe, mode, _kernel_matmul())
+    experts = moe.experts
+    assert experts.reads_in_place == (mode != "bf16" and intermediate % 32 == 0)
+    widened = mixture(seed=3, intermediate=intermediate)
+    with torch.no_grad():
+        for name in PROJECTIONS:
+            setattr(widened.experts, name, torch.nn.Parameter(experts.every(name, torch.float32)))
+        widened.gate.weight.copy_(moe.gate.weight)
+
+    def product(name, row, expert):
+        q, xs, xsum = blocks_of_input(row.view(1, -1))
+        values, scale, offset = (getattr(experts, f"{name}{part}") for part in ("", "_scale", "_offset"))
+        values = unpack_nibbles(values[expert]) if experts.packed[name] else values[expert]
+        return eager_rows_blocks(q, xs, values, scale[expert], None if offset is None else xsum,
+                                 None if offset is None else offset[expert])[0]
+
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        for tokens in (x[:, :1], x):  # a decode step's, a prefill's
+            got, float_out = moe(tokens), widened(tokens)
+            if not experts.reads_in_place:
+                torch.testing.assert_close(got, float_out, rtol=1e-5, atol=1e-5)
+                continue
+            assert (got - float_out).norm() / float_out.norm() < 2e-2  # int8 inputs per block of 32
+            rows = tokens.reshape(-1, 64)
+            weights, chosen = moe.routing(rows)
+            for t in range(rows.shape[0]):
+                want = torch.zeros(64)
+                for weight, expert in zip(weights[t].tolist(), chosen[t].tolist()):
+                    gate, up = product("gate_proj", rows[t], expert), product("up_proj", rows[t], expert)
+                    want += weight * product("down_proj", torch.nn.functional.silu(gate) * up, expert)
+                torch.testing.assert_close(got.reshape(-1, 64)[t], want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_gguf_mixtures_expert_blocks_are_served_as_stored(tmp_path):
     """A Q4_0 Mixtral GGUF's [E, rows, K] expert tensors: the export holds their values (as
     nibbles two a byte) and float16 scales as the file stores them, and widens them to gguf-py's
