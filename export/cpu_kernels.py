@@ -10,7 +10,8 @@ export compiles them with the system's C compiler into an object file beside the
 weight matmul of those kinds becomes a dispatch of one: a `stream.executable` whose function
 calls the object's symbol, which IREE links into its embedded ELF (IREE's "custom dispatch"
 mechanism); the int8 block kernel also takes int8 weights with a scale per row, each block
-taking its row's. Every other matmul (prefill, the block types of 16) keeps IREE's code.
+taking its row's. A prefill's matmuls over 4-bit values run the 4-bit kernel too (its row count
+dynamic); every other prefill matmul keeps IREE's code.
 What they measured against IREE's kernels: benchmarks/NOTES.md, "Hand-written one-row matmuls".
 The same object holds the decode attention kernel that export/cpu_attention.py dispatches.
 
@@ -222,12 +223,13 @@ class row_matmul(CustomOp):
         emit_function(kb, name, _row_matmul_text(name, k, n, element, m))
 
 
-def _row_blocks_text(name: str, k: int, n: int, has_offset: bool, packed: bool = False, m: int = 1,
+def _row_blocks_text(name: str, k: int, n: int, has_offset: bool, packed: bool = False, m: int | None = 1,
                      row_scales: bool = False, half_blocks: bool = False) -> str:
     """A module holding the block kernel's executable and `name`, which dispatches it on `m` rows
     of quantized input (q [M, K] int8, its block scales xs [M, G] and, with offsets, its block
     sums xsum [M, G]) and a block weight (w [N, K] int8, scales ws [G, N], offsets wo [G, N]) for
-    y [M, N] in float32. Without offsets, xs and ws stand in for the unread xsum and wo.
+    y [M, N] in float32; `m` None: a dynamic row count (a prefill's tokens). Without offsets, xs
+    and ws stand in for the unread xsum and wo.
     `row_scales`: an int8 weight with a scale per row (ws [N]) that every block takes.
     `half_blocks`: a scale per half block of 16 (ws [2 G, N], Q6_K's), no offsets.
     `packed`: the 4-bit kernel, w holding values two a byte ([N, K / 2]) with offsets. The
@@ -235,28 +237,52 @@ def _row_blocks_text(name: str, k: int, n: int, has_offset: bool, packed: bool =
     (IREE merges them; executables of one name and different bodies would clash)."""
     groups, width = k // BLOCK, k // 2 if packed else k
     i8, f32 = "memref<?xi8>", "memref<?xf32>"
-    input_sums = ((m, groups), "f32")
+    rows = "?" if m is None else str(m)
+    input_sums = ((groups,), "f32")
     scales = (n,) if row_scales else (2 * groups if half_blocks else groups, n)
-    operands = [("q", (m, k), "i8"), ("xs", *input_sums), ("w", (n, width), "i8"), ("ws", scales, "f32")]
+    # (operand, dims, element, whether its leading size is the input's row count)
+    operands = [("q", (k,), "i8", True), ("xs", *input_sums, True), ("w", (n, width), "i8", False),
+                ("ws", scales, "f32", False)]
     if has_offset:
-        operands += [("xsum", *input_sums), ("wo", (groups, n), "f32")]
-    tensor = {a: f"tensor<{'x'.join(map(str, dims))}x{element}>" for a, dims, element in operands}
-    arguments = ", ".join(f"%{a}: {tensor[a]}" for a, _, _ in operands)
-    # Every operand as the 1-D buffer the kernel reads.
-    flat = {a: f"%{a}_flat" if len(dims) == 2 else f"%{a}" for a, dims, _ in operands}
+        operands += [("xsum", *input_sums, True), ("wo", (groups, n), "f32", False)]
+    shape = {a: (rows, *map(str, dims)) if per_row else tuple(map(str, dims)) for a, dims, _, per_row in operands}
+    tensor = {a: f"tensor<{'x'.join(shape[a])}x{element}>" for a, _, element, _ in operands}
+    arguments = ", ".join(f"%{a}: {tensor[a]}" for a, _, _, _ in operands)
+    # Every operand as the 1-D buffer the kernel reads; an input row's operand with its element
+    # count (%<name>_count, a multiple of %m) where the row count is dynamic.
+    flat = {a: f"%{a}_flat" if len(shape[a]) == 2 else f"%{a}" for a, _, _, _ in operands}
+    flat_type, counts, constants = {}, [], {n} if m is None else set()
+    for a, dims, element, per_row in operands:
+        size = math.prod(dims)
+        if per_row and m is None:
+            flat_type[a] = f"tensor<?x{element}>{{%{a}_count}}"
+            counts.append(f"%{a}_count = arith.muli %m, %c{size} : index")
+            constants.add(size)
+        else:
+            flat_type[a] = f"tensor<{size * m if per_row else size}x{element}>"
     collapses = "\n  ".join(f"{flat[a]} = tensor.collapse_shape %{a} [[0, 1]] : {tensor[a]} into "
-                            f"tensor<{dims[0] * dims[1]}x{element}>" for a, dims, element in operands if len(dims) == 2)
+                            f"{flat_type[a].split('{')[0]}" for a, _, _, _ in operands if len(shape[a]) == 2)
     if not has_offset:
-        flat["xsum"], flat["wo"] = flat["xs"], flat["ws"]
+        flat["xsum"], flat["wo"], flat_type["xsum"], flat_type["wo"] = flat["xs"], flat["ws"], flat_type["xs"], \
+            flat_type["ws"]
     # The third size operand: how many input rows the 4-bit kernel (which always adds offsets)
     # takes, or the int8 kernel's flags with the row count above them (Q8_ROWS_SHIFT). The row
     # count is an operand, so that one body serves every shape.
+    flags = Q8_OFFSETS * has_offset | Q8_ROW_SCALES * row_scales | Q8_HALF_BLOCKS * half_blocks
+    if m is None:
+        m_value = f"%m = tensor.dim %q, %c0 : {tensor['q']}"
+        third_value = ("%third = arith.addi %m, %c0 : index" if packed else
+                       f"""%flags = arith.constant {flags} : index
+  %shift = arith.constant {Q8_ROWS_SHIFT} : index
+  %m_shifted = arith.shli %m, %shift : index
+  %third = arith.ori %m_shifted, %flags : index""")
+    else:
+        m_value = f"%m = arith.constant {m} : index"
+        third_value = f"%third = arith.constant {m if packed else flags | m << Q8_ROWS_SHIFT} : index"
     if packed:
-        symbol, third, m_line = "kiln_row_matmul_q4", m, "%m = arith.addi %third, %c0 : index"
+        symbol, m_line = "kiln_row_matmul_q4", "%m = arith.addi %third, %c0 : index"
     else:
         symbol = "kiln_row_matmul_q8"
-        third = (Q8_OFFSETS * has_offset | Q8_ROW_SCALES * row_scales | Q8_HALF_BLOCKS * half_blocks
-                 | m << Q8_ROWS_SHIFT)
         m_line = f"%rows_shift = arith.constant {Q8_ROWS_SHIFT} : index\n      %m = arith.shrui %third, %rows_shift : index"
     export = "row_nibbles" if packed else "row_blocks"  # one name per body: IREE links them all into one
     w_size = "%nk_packed" if packed else "%nk"
@@ -274,9 +300,13 @@ def _row_blocks_text(name: str, k: int, n: int, has_offset: bool, packed: bool =
       %block_rows = arith.select %per_half, %halves, %groups : index
       %scale_rows = arith.select %per_row, %c1, %block_rows : index
       %ws_size = arith.muli %scale_rows, %n : index""")
-    ws_elements = n if row_scales else scales[0] * n
-    flat_types = (f"tensor<{m * k}xi8>, tensor<{m * groups}xf32>, tensor<{m * groups}xf32>, tensor<{n * width}xi8>, "
-                  f"tensor<{ws_elements}xf32>, tensor<{ws_elements}xf32>")
+    flat_types = ", ".join(flat_type[a] for a in ("q", "xs", "xsum", "w", "ws", "wo"))
+    out_flat = "tensor<?xf32>{%mn}" if m is None else f"tensor<{m * n}xf32>"
+    out_type = f"tensor<{rows}x{n}xf32>"
+    mn_line = f"%mn = arith.muli %m, %c{n} : index" if m is None else ""
+    setup = "\n  ".join(line for line in ["%c0 = arith.constant 0 : index",
+                                           *(f"%c{c} = arith.constant {c} : index" for c in sorted(constants)),
+                                           m_value, third_value, *counts, mn_line] if line)
     return f"""module {{
 {executable_header(name, export)}
   builtin.module {{
@@ -312,15 +342,15 @@ def _row_blocks_text(name: str, k: int, n: int, has_offset: bool, packed: bool =
     }}
   }}
 }}
-util.func private @{name}({arguments}) -> tensor<{m}x{n}xf32> {{
+util.func private @{name}({arguments}) -> {out_type} {{
   %n = arith.constant {n} : index
   %k = arith.constant {k} : index
-  %third = arith.constant {third} : index
+  {setup}
   {collapses}
   %y_flat = flow.dispatch @{name}_executable::@{export}[%n]({flat["q"]}, {flat["xs"]}, {flat["xsum"]}, {flat["w"]},
-      {flat["ws"]}, {flat["wo"]}, %n, %k, %third) : ({flat_types}, index, index, index) -> tensor<{m * n}xf32>
-  %y = tensor.expand_shape %y_flat [[0, 1]] output_shape [{m}, {n}] : tensor<{m * n}xf32> into tensor<{m}x{n}xf32>
-  util.return %y : tensor<{m}x{n}xf32>
+      {flat["ws"]}, {flat["wo"]}, %n, %k, %third) : ({flat_types}, index, index, index) -> {out_flat}
+  %y = tensor.expand_shape %y_flat [[0, 1]] output_shape [{'%m' if m is None else m}, {n}] : {out_flat.split('{')[0]} into {out_type}
+  util.return %y : {out_type}
 }}
 }}"""
 
@@ -335,20 +365,43 @@ def _check_row_blocks(ksel: KernelSelection, count: int, packed: bool = False):
                  lambda: f"row_blocks: K a multiple of {BLOCK}, the same in q and w")
     groups, n = q.t.shape[1] // BLOCK, w.t.shape[0]
     shapes = ((groups, n), (n,)) if packed or count == 6 else ((groups, n), (n,), (2 * groups, n))
-    torch._check(tuple(ws.t.shape) in shapes and tuple(xs.t.shape) == (q.t.shape[0], groups),
+    # M may be dynamic (a prefill's tokens), a size of its own here: not compared.
+    torch._check(tuple(ws.t.shape) in shapes and xs.t.dim() == 2 and xs.t.shape[1] == groups,
                  lambda: "row_blocks: input scales xs [M, G], block scales ws [G, N] (or row scales ws [N], "
                          "or scales per half block ws [2 G, N] without offsets)")
     floats = [arg for index, arg in enumerate(args) if index not in (0, 2)]
     torch._check(all(a.t.dtype == torch.float32 for a in floats), lambda: "row_blocks: float32 scales and sums")
     for arg in args:
-        arg.specialize_dims(*range(arg.t.dim()))
-    ksel.return_new_tensor([q.t.shape[0], w.t.shape[0]], torch.float32).specialize_dims(0, 1)
+        arg.specialize_dims(*static_dims(arg))
+    result = ksel.return_new_tensor([q.t.shape[0], w.t.shape[0]], torch.float32)
+    result.specialize_dims(*static_dims(result))
+
+
+def _input_rows(kb: KernelBuilder) -> int | None:
+    """The row count of a block kernel's input (its first operand), None where it is dynamic."""
+    rows = ir.RankedTensorType(kb.arg_bindings[0].type).shape[0]
+    return None if rows == ir.ShapedType.get_dynamic_size() else rows
 
 
 def eager_rows_blocks(q, xs, w, ws, xsum=None, wo=None):
-    """`eager_row_blocks` for each of M input rows (q [M, K], xs and xsum [M, G]): [M, N]."""
-    return torch.cat([eager_row_blocks(q[i:i + 1], xs[i], w, ws, None if xsum is None else xsum[i], wo)
-                      for i in range(q.shape[0])])
+    """`eager_row_blocks` for each of M input rows (q [M, K], xs and xsum [M, G]): [M, N]. The
+    integer sums are exact in float64; rows go a few at a time, so that a prefill's [rows, G, N]
+    sums stay small."""
+    groups, n = q.shape[1] // BLOCK, w.shape[0]
+    halves = ws.dim() == 2 and ws.shape[0] == 2 * groups
+    parts = 2 * groups if halves else groups
+    step = max(1, (1 << 24) // (parts * n))
+    out = []
+    for first in range(0, q.shape[0], step):
+        rows = q[first:first + step]
+        sums = torch.einsum("rgb,ngb->rgn", rows.reshape(rows.shape[0], parts, -1).double(),
+                            w.reshape(n, parts, -1).double()).float() * ws  # [R, parts, N]
+        if halves:
+            sums = sums.view(rows.shape[0], groups, 2, n).sum(dim=2)
+        if wo is not None:
+            sums = sums + xsum[first:first + step].unsqueeze(-1) * wo
+        out.append((sums * xs[first:first + step].unsqueeze(-1)).sum(dim=1))
+    return torch.cat(out) if out else torch.zeros(0, n)
 
 
 def eager_row_blocks(q, xs, w, ws, xsum=None, wo=None):
@@ -356,16 +409,7 @@ def eager_row_blocks(q, xs, w, ws, xsum=None, wo=None):
     block g's int8 sum times ws[g] (ws [G, N]; or the row scales ws [N] for every block; or with
     ws [2 G, N] each half block's sum times its own), plus xsum[g] times wo[g], times xs[g],
     summed over the blocks."""
-    groups = q.shape[1] // BLOCK
-    if ws.dim() == 2 and ws.shape[0] == 2 * groups:
-        halves = (q.view(2 * groups, 1, BLOCK // 2).double()
-                  @ w.view(-1, 2 * groups, BLOCK // 2).permute(1, 2, 0).double()).float()[:, 0, :] * ws
-        return (halves.view(groups, 2, -1).sum(dim=1) * xs.view(-1, 1)).sum(dim=0, keepdim=True)
-    sums = (q.view(groups, 1, BLOCK).double() @ w.view(-1, groups, BLOCK).permute(1, 2, 0).double()).float()
-    blocks = sums[:, 0, :] * ws  # [G, N]
-    if wo is not None:
-        blocks = blocks + xsum.view(-1, 1) * wo
-    return (blocks * xs.view(-1, 1)).sum(dim=0, keepdim=True)
+    return eager_rows_blocks(q, xs.view(1, -1), w, ws, None if xsum is None else xsum.view(1, -1), wo)
 
 
 @CustomOp.register(library=KILN_LIBRARY)
@@ -384,12 +428,12 @@ class row_blocks(CustomOp):
         return eager_rows_blocks(q, xs, w, ws)
 
     def generate(self, ksel: KernelSelection, kb: KernelBuilder):
-        m = ir.RankedTensorType(kb.arg_bindings[0].type).shape[0]
+        m = _input_rows(kb)
         n, k = ir.RankedTensorType(kb.arg_bindings[2].type).shape
         scales = ir.RankedTensorType(kb.arg_bindings[3].type).shape
         row_scales, half_blocks = len(scales) == 1, len(scales) == 2 and scales[0] == 2 * (k // BLOCK)
         form = "row_scales_" if row_scales else "half_blocks_" if half_blocks else ""
-        name = f"kiln_row_blocks_{form}{m}x{n}x{k}"
+        name = f"kiln_row_blocks_{form}{m or 'D'}x{n}x{k}"
         emit_function(kb, name, _row_blocks_text(name, k, n, has_offset=False, m=m, row_scales=row_scales,
                                                  half_blocks=half_blocks))
 
@@ -407,9 +451,9 @@ class row_blocks_offset(CustomOp):
         return eager_rows_blocks(q, xs, w, ws, xsum, wo)
 
     def generate(self, ksel: KernelSelection, kb: KernelBuilder):
-        m = ir.RankedTensorType(kb.arg_bindings[0].type).shape[0]
+        m = _input_rows(kb)
         n, k = ir.RankedTensorType(kb.arg_bindings[2].type).shape
-        name = f"kiln_row_blocks_offset_{m}x{n}x{k}"
+        name = f"kiln_row_blocks_offset_{m or 'D'}x{n}x{k}"
         emit_function(kb, name, _row_blocks_text(name, k, n, has_offset=True, m=m))
 
 
@@ -428,9 +472,9 @@ class row_nibbles(CustomOp):
         return eager_rows_blocks(q, xs, unpack_nibbles(w), ws, xsum, wo)
 
     def generate(self, ksel: KernelSelection, kb: KernelBuilder):
-        m = ir.RankedTensorType(kb.arg_bindings[0].type).shape[0]
+        m = _input_rows(kb)
         n, width = ir.RankedTensorType(kb.arg_bindings[2].type).shape
-        name = f"kiln_row_nibbles_{m}x{n}x{width * 2}"
+        name = f"kiln_row_nibbles_{m or 'D'}x{n}x{width * 2}"
         emit_function(kb, name, _row_blocks_text(name, width * 2, n, has_offset=True, packed=True, m=m))
 
 

@@ -16,7 +16,10 @@ KV cache stay float32. How a matmul uses the narrow weight depends on the call:
   adds the same term).
 - Many tokens per row (prefill, denoising): compute-bound, so the weight is widened to float32
   and the matmul runs as a float32 one (on this CPU a bf16 or grouped-int8 matmul of 512 rows
-  was slower than the float32 one; benchmarks/NOTES.md). The weight's bytes stay narrow.
+  was slower than the float32 one; benchmarks/NOTES.md). The weight's bytes stay narrow. 4-bit
+  values held two a byte are the exception: the kernel that holds them so tiles many rows (four
+  input rows by four weight rows of int8 dot products), and widening them cost a fifth of a
+  prefill, so every row of theirs goes there, each row's arithmetic a decode step's.
 
 int8 weights are scaled symmetrically per output row (scale = max|w| / 127). Quantizing the
 activations per token alone, with no groups, moved SmolLM2's mean log-probability 2.9%; per
@@ -43,9 +46,8 @@ than per 16) and an int8 one with row scales (ws [N], its input quantized per 32
 group). And
 `matmul.rows_nibbles(q [M, K], xs [M, G], w [N, K / 2], ws, xsum [M, G], wo)`, the same for M
 rows of input and 4-bit values stored two a byte (`pack_nibbles`): where the kernel offers it,
-the 4-bit types (NIBBLE_TYPES) keep their values that way and every one-token product (a decode
-step at any batch size) goes there, streaming half the bytes of int8 values. A prefill unpacks
-them as it widens them.
+the 4-bit types (NIBBLE_TYPES) keep their values that way and every product goes there (a decode
+step at any batch size, streaming half the bytes of int8 values, and a prefill's rows, M dynamic).
 """
 
 from __future__ import annotations
@@ -170,12 +172,12 @@ def weight_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     larger T is a prefill."""
     one_token = isinstance(x.shape[-2], int) and x.shape[-2] == 1
     n, k = weight.shape[0], x.shape[-1]
-    if packed and one_token:
+    if packed:
+        # Values two a byte are held so only where the matmul has the 4-bit kernel, which takes
+        # any number of rows: a prefill's too, each row's arithmetic a decode step's.
         q, row_scale, x_sum = blocks_of_input(x.reshape(-1, k))
         out = matmul.rows_nibbles(q, row_scale, weight, scale, x_sum, offset)
         return out.view(*x.shape[:-1], n)
-    if packed:  # many tokens: widened below
-        weight = unpack_nibbles(weight)
     if not one_token:
         # The rows flattened: a [1, T, K] input kept its batch of one and IREE took it for a
         # batched matmul over a transposed copy, summing otherwise than the [B * T, K] matmul

@@ -69,9 +69,10 @@ def kernel_export(request, tiny_hf_dir, tiny_checkpoint, tmp_path_factory):
                                         [*TINY_EXPORT_ARGS, "--cpu-kernels"])
         checkpoint = load_checkpoint(gguf)
         # The mix's q/k and v run as separate products with the kernels (its input quantized per
-        # 32 for q/k), as one stacked product without them (per 16 for all three): its reference
-        # is the model with the kernels' arithmetic, run eagerly.
-        options = ExportOptions(cpu_kernels=weights == "gguf").validate(256, checkpoint.stored_quantization)
+        # 32 for q/k), as one stacked product without them (per 16 for all three); 4-bit values
+        # prefill through the kernel (int8 inputs), not widened: their reference is the model with
+        # the kernels' arithmetic, run eagerly.
+        options = ExportOptions(cpu_kernels=weights in ("gguf", "q4_1")).validate(256, checkpoint.stored_quantization)
         return weights, artifacts, build_model(checkpoint, options)
     # int8's one-row products quantize their input per 32 with the kernels (per 64 without): its
     # reference runs the kernels' arithmetic too.
@@ -139,19 +140,20 @@ def test_the_kernel_matches_numpy_with_row_and_channel_tails(tmp_path, k, n, ele
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
 
 
-def _compile_blocks_alone(directory, k: int, n: int, has_offset: bool, packed: bool = False, m: int = 1,
+def _compile_blocks_alone(directory, k: int, n: int, has_offset: bool, packed: bool = False, m: int | None = 1,
                           row_scales: bool = False, half_blocks: bool = False):
+    """The block kernel's function alone for m input rows (None: a dynamic count, a prefill's)."""
     name = f"kiln_row_nibbles_{m}x{n}x{k}" if packed else f"kiln_row_blocks_{n}x{k}"
     body = cpu_kernels._row_blocks_text(name, k, n, has_offset, packed, m, row_scales, half_blocks).strip()
-    groups = k // 32
+    groups, rows = k // 32, "?" if m is None else m
     width = k // 2 if packed else k
-    input_sums = f"tensor<{m}x{groups}xf32>"
+    input_sums = f"tensor<{rows}x{groups}xf32>"
     scales = f"tensor<{n}xf32>" if row_scales else f"tensor<{2 * groups if half_blocks else groups}x{n}xf32>"
-    types = [f"tensor<{m}x{k}xi8>", input_sums, f"tensor<{n}x{width}xi8>", scales]
+    types = [f"tensor<{rows}x{k}xi8>", input_sums, f"tensor<{n}x{width}xi8>", scales]
     if has_offset:
         types += [input_sums, f"tensor<{groups}x{n}xf32>"]
     names = ["%q", "%xs", "%w", "%ws", "%xsum", "%wo"][: len(types)]
-    return _kernel_main(directory, "blocks", body, name, names, types, f"tensor<{m}x{n}xf32>")
+    return _kernel_main(directory, "blocks", body, name, names, types, f"tensor<{rows}x{n}xf32>")
 
 
 def _kernel_main(directory, stem: str, body: str, name: str, names: list[str], types: list[str], result: str):
@@ -228,6 +230,40 @@ def test_the_4_bit_kernel_matches_its_eager_form(tmp_path, k, n, m):
         q[i:i + 1], xs[i], values, ws, xsum[i], wo))).numpy() for i in range(m)])
     assert got.shape == (m, n)
     assert relative_error(got, want) < 1e-5
+
+
+@pytest.mark.skipif(not cpu_kernels.blocks_supported(), reason="this CPU has no block kernel")
+@pytest.mark.parametrize("k,n,calls", [(160, 130, (1, 5, 9)), (1536, 72, (203,))])
+def test_a_prefill_s_rows_through_the_4_bit_kernel_are_a_decode_step_s(tmp_path, k, n, calls):
+    """The 4-bit kernel with a dynamic row count, as a prefill calls it: calls of 1, 5 and 9 rows
+    to one compiled function, and of 203 rows of 1,536 channels (the last tile of four short),
+    each row bit for bit what the static one-row function (a decode step's) gives it alone, and
+    the eager form's within float32's sums."""
+    import torch
+
+    from kiln.models.quantize import pack_nibbles
+
+    groups = k // 32
+    (tmp_path / "prefill").mkdir()
+    (tmp_path / "decode").mkdir()
+    prefill = _compile_blocks_alone(tmp_path / "prefill", k, n, has_offset=True, packed=True, m=None)
+    decode = _compile_blocks_alone(tmp_path / "decode", k, n, has_offset=True, packed=True, m=1)
+    rng = np.random.default_rng(7)
+    values = rng.integers(0, 16, (n, k)).astype(np.int8)
+    packed = pack_nibbles(torch.from_numpy(values)).numpy()
+    ws = rng.uniform(0.001, 0.02, (groups, n)).astype(np.float32)
+    wo = rng.uniform(-0.1, 0.1, (groups, n)).astype(np.float32)
+    for m in calls:
+        q = rng.integers(-127, 128, (m, k)).astype(np.int8)
+        xs = rng.uniform(0.001, 0.02, (m, groups)).astype(np.float32)
+        xsum = q.reshape(m, groups, 32).sum(axis=-1).astype(np.float32)
+        got = np.asarray(prefill(q, xs, packed, ws, xsum, wo))
+        assert got.shape == (m, n)
+        for row in range(m):
+            alone = decode(q[row:row + 1], xs[row:row + 1], packed, ws, xsum[row:row + 1], wo)
+            np.testing.assert_array_equal(got[row:row + 1], np.asarray(alone), err_msg=f"{m} rows, row {row}")
+        want = cpu_kernels.eager_rows_blocks(*(torch.from_numpy(a) for a in (q, xs, values, ws, xsum, wo)))
+        assert relative_error(got, want.numpy()) < 1e-5
 
 
 def _compile_experts_alone(directory, shapes: dict, flags: int):
@@ -336,8 +372,9 @@ def test_a_rows_result_is_the_same_whatever_rows_share_the_call(tmp_path, kind):
 
 
 def test_every_function_matches_the_eager_model(kernel_export):
-    """Prefill at batch 4 (IREE's matmuls), then decode at batch 1 and 4 (the kernels, Q6_K's
-    blocks of 16 with a scale per half block), and prefill_last's output head over one
+    """Prefill at batch 4 (IREE's matmuls; the 4-bit kernel for values two a byte, its row count
+    dynamic), then decode at batch 1 and 4 (the kernels, Q6_K's blocks of 16 with a scale per
+    half block), and prefill_last's output head over one
     position (the kernels), against the eager model with the same weights, whose one-row products
     take the per-block path. bf16 holds the bf16 tolerance of the quantized exports' tests
     (tests/export/test_quantized_export.py says why); the block types are integer sums up to
@@ -347,6 +384,7 @@ def test_every_function_matches_the_eager_model(kernel_export):
     mlir = (artifacts / "model.mlir").read_text()
     if weights in ("q4_1", "gguf"):  # the 4-bit layers' kernel; Q4_1's head (Q8_0) the int8 one, in one module
         assert "@row_nibbles" in mlir and "@row_blocks" in mlir
+        assert "flow.dispatch @kiln_row_nibbles_Dx" in mlir  # a prefill's rows
     if weights == "gguf":  # Q6_K's v in the int8 kernel, a scale per half block
         assert "flow.dispatch @kiln_row_blocks_half_blocks_" in mlir
     if weights == "int8":  # its row scales in the int8 block kernel

@@ -220,7 +220,7 @@ def test_a_k_quant_mix_is_served_each_weight_in_its_own_blocks():
 
 
 def _with_nibble_kernel():
-    """eager_weight_matmul offering one-token products of 4-bit values two a byte: unpacked, the
+    """eager_weight_matmul offering products of 4-bit values two a byte, any rows: unpacked, the
     block sums by hand (float64, exact), both scales and the offset term as the CPU kernel takes them."""
 
     def matmul(*args):
@@ -240,7 +240,8 @@ def _with_nibble_kernel():
 def test_4_bit_values_are_kept_two_a_byte_as_the_file_holds_them_where_the_kernel_takes_them(qtype):
     """The packed bytes are the file's own (ggml's layout), the weight they stand for is the same
     bit for bit (Q4_0's q - 8 as q with an offset of -8 d), and every product matches the one over
-    values one a byte: one token of one row or three with the kernel, several tokens widened."""
+    values one a byte: one token of one row or three, and several tokens (a prefill's, each token
+    the kernel's one-token product, not widened)."""
     from kiln.models.gguf_blocks import BLOCK_BYTES, read_blocks
 
     raw = random_blocks(qtype, 24, 256, seed=4, scale=0.01)
@@ -259,7 +260,8 @@ def test_4_bit_values_are_kept_two_a_byte_as_the_file_holds_them_where_the_kerne
     for tokens in (1, 3):
         x = torch.randn(2, tokens, 256) if tokens > 1 else torch.randn(1, 1, 256)
         with torch.no_grad():
-            torch.testing.assert_close(packed(x), plain(x), rtol=1e-5, atol=1e-5)
+            one_at_a_time = torch.cat([plain(x[:, t:t + 1]) for t in range(tokens)], dim=1)
+            torch.testing.assert_close(packed(x), one_at_a_time, rtol=1e-5, atol=1e-5)
     rows = torch.randn(3, 1, 256)  # a decode step of three rows
     with torch.no_grad():
         torch.testing.assert_close(packed(rows), plain(rows), rtol=1e-5, atol=1e-5)
@@ -267,7 +269,7 @@ def test_4_bit_values_are_kept_two_a_byte_as_the_file_holds_them_where_the_kerne
 
 def test_a_4_bit_embedding_two_a_byte_looks_up_and_projects_as_one_a_byte():
     """A tied embedding in Q4_0 (a file whose embedding is 4-bit): its rows are unpacked where
-    looked up, and as the output head it takes the kernel at one token and widens at several."""
+    looked up, and as the output head it takes the kernel at one token and at several."""
     from kiln.models.gguf_blocks import read_blocks
 
     blocks = read_blocks(random_blocks("Q4_0", 50, 64, seed=6, scale=0.01), "Q4_0", 50, 64)
@@ -279,7 +281,8 @@ def test_a_4_bit_embedding_two_a_byte_looks_up_and_projects_as_one_a_byte():
     with torch.no_grad():
         assert (packed(tokens) == plain(tokens)).all()
         for h in (torch.randn(1, 1, 64), torch.randn(1, 3, 64)):
-            torch.testing.assert_close(packed.project(h), plain.project(h), rtol=1e-5, atol=1e-5)
+            one_at_a_time = torch.cat([plain.project(h[:, t:t + 1]) for t in range(h.shape[1])], dim=1)
+            torch.testing.assert_close(packed.project(h), one_at_a_time, rtol=1e-5, atol=1e-5)
 
 
 def test_stacked_layers_of_values_two_a_byte_stack_them_and_beside_other_blocks_run_alone():
