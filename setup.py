@@ -11,6 +11,6 @@ FOLDERS = ("cli", "export", "models", "runtime", "server")
 setup(
     packages=[f"kiln.{name}" for name in find_packages(include=[*FOLDERS, *(f"{f}.*" for f in FOLDERS)])],
     package_dir={f"kiln.{folder}": folder for folder in FOLDERS},
-    # The CPU kernels' C source, compiled by the export on the machine that runs it.
-    package_data={"kiln.export": ["*.c"]},
+    # The CPU kernels' C source and header, compiled by the export on the machine that runs it.
+    package_data={"kiln.export": ["*.c", "*.h"]},
 )

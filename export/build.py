@@ -42,7 +42,7 @@ def export_code_digest() -> str:
 
     digest = hashlib.sha256()
     for package in (kiln.models, kiln.export):
-        for path in sorted(p for pattern in ("*.py", "*.c") for p in Path(package.__path__[0]).glob(pattern)):
+        for path in sorted(p for pattern in ("*.py", "*.c", "*.h") for p in Path(package.__path__[0]).glob(pattern)):
             digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:16]
 

@@ -14,18 +14,10 @@
  *
  * Linked into IREE's embedded ELF executables: no libc, no globals, no thread-local state.
  * Each call computes the output rows [row0, row0 + rows) of one workgroup. Prefetches past the
- * end of a buffer are harmless: a prefetch never faults.
- *
- * Arguments follow MLIR's memref lowering for memref<?xT>: allocated pointer, aligned
- * pointer, offset, size, stride; then the index operands of the dispatch.
+ * end of a buffer are harmless: a prefetch never faults. This is the AVX-512 build;
+ * cpu_kernels_avx2.c is the one for x86-64 CPUs without it (cpu_kernels.h: what both share).
  */
-#include <stddef.h>
-#include <stdint.h>
-#include <immintrin.h>
-
-#define MEMREF_F32(name) \
-  const float *name##_allocated, const float *restrict name, size_t name##_offset, size_t name##_size, \
-  size_t name##_stride
+#include "cpu_kernels.h"
 
 /* How many rows ahead of the four being read each kernel prefetches (measured on weights four
  * times the last-level cache: float32 29.5 -> 32 GB/s, bfloat16 and int8 blocks about 1.25x). */
@@ -229,29 +221,7 @@ void kiln_row_matmul_bf16(MEMREF_BF16(x), MEMREF_BF16(w), float *y_allocated, fl
  * sub-blocks), the input's still per 32, and each half's dot product takes its own scale; no
  * offsets then. Both scales apply inside the loop, so no per-block partial sums are written out.
  * The int8 x int8 products run as AVX512-VNNI's unsigned x signed dot products: |x| times w with
- * x's sign moved onto w. */
-enum { Q8_OFFSETS = 1, Q8_ROW_SCALES = 2, Q8_HALF_BLOCKS = 4, Q8_ROWS_SHIFT = 3 };
-
-#define MEMREF_I8(name) \
-  const int8_t *name##_allocated, const int8_t *restrict name, size_t name##_offset, size_t name##_size, \
-  size_t name##_stride
-
-/* The block kernels' operands (q, xs, xsum, w, ws, wo, y) moved to their offsets; the memref
- * fields they do not read are dropped. */
-#define BLOCK_OPERANDS_AT_OFFSETS()                                                                     \
-  do {                                                                                                 \
-    (void)q_allocated; (void)q_size; (void)q_stride; (void)xs_allocated; (void)xs_size; (void)xs_stride; \
-    (void)xsum_allocated; (void)xsum_size; (void)xsum_stride; (void)w_allocated; (void)w_size;         \
-    (void)w_stride; (void)ws_allocated; (void)ws_size; (void)ws_stride; (void)wo_allocated;            \
-    (void)wo_size; (void)wo_stride; (void)y_allocated; (void)y_size; (void)y_stride;                   \
-    q += q_offset;                                                                                     \
-    xs += xs_offset;                                                                                   \
-    xsum += xsum_offset;                                                                               \
-    w += w_offset;                                                                                     \
-    ws += ws_offset;                                                                                   \
-    wo += wo_offset;                                                                                   \
-    y += y_offset;                                                                                     \
-  } while (0)
+ * x's sign moved onto w. Its flags (cpu_kernels.h) say which form a weight takes. */
 
 /* Two 8-float vectors as one of 16, a first. */
 static inline __m512 side_by_side(__m256 a, __m256 b) {
@@ -534,10 +504,6 @@ void kiln_row_matmul_q4(MEMREF_I8(q), MEMREF_F32(xs), MEMREF_F32(xsum), MEMREF_I
   q4_matmul(q, xs, xsum, w, ws, wo, y, n_dim, k_dim, m_dim, row0, rows);
 }
 
-#define MEMREF_I64(name) \
-  const int64_t *name##_allocated, const int64_t *restrict name, size_t name##_offset, size_t name##_size, \
-  size_t name##_stride
-
 /* A mixture's experts, each read where it lies in the stack, for P (expert, input row) pairs:
  * y[p] = q[row p] times expert p's weight, y [P, N]. The stack is one block weight per expert, as
  * the one-row kernels take a dense one: with EXPERT_NIBBLES, 4-bit values (w [E, N, K / 2], ws and
@@ -548,7 +514,6 @@ void kiln_row_matmul_q4(MEMREF_I8(q), MEMREF_F32(xs), MEMREF_F32(xsum), MEMREF_I
  * so that the workgroup's rows of an expert stay in cache for every token that chose it. Each
  * pair's result is the one-row kernel's for one input row, the same whatever other pairs share
  * the call. A pair naming no expert of the stack is left alone, never read past. */
-enum { EXPERT_NIBBLES = 1 << Q8_ROWS_SHIFT };
 
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 void kiln_expert_matmul(MEMREF_I8(q), MEMREF_F32(xs), MEMREF_F32(xsum), MEMREF_I8(w), MEMREF_F32(ws),
@@ -559,17 +524,15 @@ void kiln_expert_matmul(MEMREF_I8(q), MEMREF_F32(xs), MEMREF_F32(xsum), MEMREF_I
   (void)pairs_allocated; (void)pairs_size; (void)pairs_stride;
   pairs += pairs_offset;
   const size_t groups = k_dim / 32, nibbles = (flags & EXPERT_NIBBLES) != 0;
-  const size_t expert_values = n_dim * (nibbles ? k_dim / 2 : k_dim);
-  const size_t expert_scales = flags & Q8_ROW_SCALES ? n_dim : (flags & Q8_HALF_BLOCKS ? 2 : 1) * groups * n_dim;
-  const size_t expert_offsets = nibbles || flags & Q8_OFFSETS ? groups * n_dim : 0;
-  for (size_t expert = 0; expert < e_dim; ++expert) {
+  const struct expert_sizes expert = expert_sizes_of(n_dim, k_dim, flags);
+  for (size_t e = 0; e < e_dim; ++e) {
     for (size_t p = 0; p < p_dim; ++p) {
-      if ((size_t)pairs[2 * p] != expert) continue;
+      if ((size_t)pairs[2 * p] != e) continue;
       const size_t row = (size_t)pairs[2 * p + 1];
       const int8_t *x = q + row * k_dim;
       const float *x_scales = xs + row * groups, *x_sums = xsum + row * groups;
-      const int8_t *values = w + expert * expert_values;
-      const float *scales = ws + expert * expert_scales, *offsets = wo + expert * expert_offsets;
+      const int8_t *values = w + e * expert.values;
+      const float *scales = ws + e * expert.scales, *offsets = wo + e * expert.offsets;
       if (nibbles)
         q4_matmul(x, x_scales, x_sums, values, scales, offsets, y + p * n_dim, n_dim, k_dim, 1, row0, rows);
       else

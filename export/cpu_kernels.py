@@ -15,10 +15,12 @@ dynamic); every other prefill matmul keeps IREE's code.
 What they measured against IREE's kernels: benchmarks/NOTES.md, "Hand-written one-row matmuls".
 The same object holds the decode attention kernel that export/cpu_attention.py dispatches.
 
-The object is built for the machine that exports (x86-64 with AVX-512; the bfloat16 and block
-kernels also need AVX512-BF16 and AVX512-VNNI, and those weights keep IREE's kernels on a CPU
-without them), so an export with these kernels compiles for the CPU only, for the host's
-architecture.
+The object is built for the machine that exports, so an export with these kernels compiles for
+the CPU only, for the host's architecture. On x86-64 with AVX-512 it is `cpu_kernels.c` (the
+bfloat16 and block kernels also need AVX512-BF16 and AVX512-VNNI, and those weights keep IREE's
+kernels on a CPU without them); on one with AVX2 and FMA but no AVX-512 it is
+`cpu_kernels_avx2.c`, which holds the float32, int8-block, 4-bit and expert matmuls with the same
+entry points (bfloat16 weights, decode attention and LoRA then keep the model's own graph).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ from .compile import CPU_KERNELS_OBJECT as OBJECT_FILE
 from .custom_ops import KILN_LIBRARY, emit_function, static_dims
 from .weight_matmul import weight_matmul_kernel
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# The kernels' source for each instruction set they are written for (cpu_kernels.h: what both share).
+SOURCES = {"avx512": Path(__file__).with_name("cpu_kernels.c"), "avx2": Path(__file__).with_name("cpu_kernels_avx2.c")}
 # Output rows a workgroup computes: enough work per workgroup to hide its dispatch, and enough
 # workgroups for both task workers on the narrowest projection (576 rows: 9 workgroups).
 ROWS_PER_WORKGROUP = 64
@@ -52,8 +55,10 @@ ROWS_PER_WORKGROUP = 64
 Q8_OFFSETS, Q8_ROW_SCALES, Q8_HALF_BLOCKS, Q8_ROWS_SHIFT = 1, 2, 4, 3
 # Freestanding code for IREE's embedded ELF loader: position independent, no stack protector
 # (it would call into libc), no unwind tables.
-C_FLAGS = ("-O3", "-mavx512f", "-mfma", "-ffreestanding", "-fPIC", "-fno-stack-protector",
-           "-fno-asynchronous-unwind-tables", "-fvisibility=hidden")
+C_FLAGS = ("-O3", "-ffreestanding", "-fPIC", "-fno-stack-protector", "-fno-asynchronous-unwind-tables",
+           "-fvisibility=hidden")
+# Each source's instruction set (the AVX-512 one's functions name the extensions they add).
+ISA_FLAGS = {"avx512": ("-mavx512f", "-mfma"), "avx2": ("-mavx2", "-mfma", "-mf16c")}
 
 
 def c_compiler() -> str | None:
@@ -76,45 +81,64 @@ def _host_cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def instruction_set() -> str | None:
+    """Which build of the kernels this CPU runs: "avx512" (AVX-512 and FMA), "avx2" (AVX2 and FMA,
+    no AVX-512), or None (neither, or not x86-64)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    flags = _host_cpu_flags()
+    if {"avx512f", "fma"} <= flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma", "f16c"} <= flags else None
+
+
 def bf16_supported() -> bool:
     """Whether this CPU runs the bfloat16 kernel (AVX512-BF16); bf16 weights use IREE's where not."""
-    return "avx512_bf16" in _host_cpu_flags()
+    return instruction_set() == "avx512" and "avx512_bf16" in _host_cpu_flags()
 
 
 def blocks_supported() -> bool:
-    """Whether this CPU runs the block kernel (AVX512-VNNI's int8 dot products); the block types
-    use IREE's kernels where not."""
-    return {"avx512_vnni", "avx512bw"} <= _host_cpu_flags()
+    """Whether this CPU runs the block kernels (AVX512-VNNI's int8 dot products, or AVX2's); the
+    block types use IREE's kernels where not."""
+    isa = instruction_set()
+    return isa == "avx2" or (isa == "avx512" and {"avx512_vnni", "avx512bw"} <= _host_cpu_flags())
+
+
+def in_place_supported() -> bool:
+    """Whether this CPU's build holds the kernels that read the KV cache and LoRA adapters in place
+    (export/cpu_attention.py, export/lora_kernel.py): the AVX-512 one only."""
+    return instruction_set() == "avx512"
 
 
 def support_problem() -> str | None:
     """Why this machine cannot build the kernels for itself, or None when it can (its C compiler
-    is tried once per process: one too old for the AVX-512 intrinsics counts as none)."""
+    is tried once per process: one too old for the intrinsics counts as none)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"the CPU kernels are written for x86-64, this machine is {platform.machine()}"
-    if not {"avx512f", "fma"} <= _host_cpu_flags():
-        return "the CPU kernels need AVX-512, which this CPU lacks"
+    if instruction_set() is None:
+        return "the CPU kernels need AVX2 and FMA (or AVX-512), which this CPU lacks"
     compiler = c_compiler()
     if compiler is None:
         return "the CPU kernels are compiled with a C compiler, and none was found (set CC, or install gcc)"
-    return _compiled(compiler)[1]
+    return _compiled(compiler, instruction_set())[1]
 
 
 @functools.lru_cache(maxsize=4)
-def _compiled(compiler: str) -> tuple[bytes | None, str | None]:
-    """The kernels compiled by `compiler`, once per process: (the object file's bytes, None), or
-    (None, why they did not compile). The check that the machine can build them keeps what it
-    built, and an export writes that."""
+def _compiled(compiler: str, isa: str) -> tuple[bytes | None, str | None]:
+    """The kernels for `isa` compiled by `compiler`, once per process: (the object file's bytes,
+    None), or (None, why they did not compile). The check that the machine can build them keeps
+    what it built, and an export writes that."""
     with tempfile.TemporaryDirectory(prefix="kiln-kernels-") as scratch:
         try:
-            _compile(compiler, Path(scratch) / OBJECT_FILE)
+            _compile(compiler, isa, Path(scratch) / OBJECT_FILE)
         except ExportError as error:
             return None, str(error)
         return (Path(scratch) / OBJECT_FILE).read_bytes(), None
 
 
-def _compile(compiler: str, output: Path) -> None:
-    done = subprocess.run([compiler, *C_FLAGS, "-c", str(SOURCE), "-o", str(output)], capture_output=True, text=True)
+def _compile(compiler: str, isa: str, output: Path) -> None:
+    done = subprocess.run([compiler, *C_FLAGS, *ISA_FLAGS[isa], "-c", str(SOURCES[isa]), "-o", str(output)],
+                          capture_output=True, text=True)
     if done.returncode != 0:
         raise ExportError(f"compiling the CPU kernels with {compiler} failed: "
                           f"{(done.stderr or done.stdout).strip()[:500]}")
@@ -127,7 +151,7 @@ def build_object(directory: Path) -> Path:
         raise ExportError(problem)
     output = Path(directory) / OBJECT_FILE
     partial = output.with_name(output.name + ".partial")
-    partial.write_bytes(_compiled(c_compiler())[0])
+    partial.write_bytes(_compiled(c_compiler(), instruction_set())[0])
     os.replace(partial, output)
     return output
 

@@ -23,7 +23,9 @@ from kiln.models import kv_quant
 from kiln.models.llama import MASKED_SCORE, Attention, index_pages
 from kiln.runtime.config import KV_SCALE_BYTES, kv_scale_blocks
 
-pytestmark = pytest.mark.skipif(cpu_kernels.support_problem() is not None, reason=str(cpu_kernels.support_problem()))
+pytestmark = [pytest.mark.skipif(cpu_kernels.support_problem() is not None, reason=str(cpu_kernels.support_problem())),
+              pytest.mark.skipif(not cpu_kernels.in_place_supported(),
+                                 reason="this CPU's kernels (AVX2) hold no in-place attention or LoRA")]
 
 
 def _compile_alone(directory, rows: int, heads: int, kv_heads: int, head_dim: int, stride: int,

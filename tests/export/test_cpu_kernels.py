@@ -325,6 +325,39 @@ def test_the_expert_kernel_reads_each_pair_s_expert_where_it_lies(tmp_path, k, n
     assert relative_error(got, want.numpy()) < 1e-5
 
 
+@pytest.mark.skipif(not cpu_kernels.blocks_supported(), reason="this CPU has no block kernel")
+def test_a_4_bit_expert_s_many_pairs_are_each_what_a_pair_alone_gives(tmp_path):
+    """A prefill's many tokens choosing one 4-bit expert (150 pairs: more than the 64 the AVX2
+    build gathers for one call of its dense kernel, two input rows at a time, and a remainder),
+    their rows in any order and taken twice: each pair's output is, bit for bit, the one-row
+    kernel's for that row and expert alone."""
+    import torch
+
+    from kiln.models.quantize import pack_nibbles
+
+    experts, k, n, m = 3, 96, 72, 80
+    groups = k // 32
+    rng = np.random.default_rng(150)
+    q = rng.integers(-127, 128, (m, k)).astype(np.int8)
+    xs = rng.uniform(0.001, 0.02, (m, groups)).astype(np.float32)
+    xsum = q.reshape(m, groups, 32).sum(axis=-1).astype(np.float32)
+    w = np.stack([pack_nibbles(torch.from_numpy(v)).numpy()
+                  for v in rng.integers(0, 16, (experts, n, k)).astype(np.int8)])
+    ws = rng.uniform(0.001, 0.02, (experts, groups, n)).astype(np.float32)
+    wo = rng.uniform(-0.1, 0.1, (experts, groups, n)).astype(np.float32)
+    chosen = np.where(rng.random(160) < 0.9, 1, rng.integers(0, experts, 160))[:150]
+    pair_array = np.stack([chosen, rng.integers(0, m, 150)], axis=1).astype(np.int64)
+    arrays = dict(q=q, xs=xs, xsum=xsum, w=w, ws=ws, wo=wo, pairs=pair_array)
+    shapes = {a: (None, *v.shape[1:]) if a in ("q", "xs", "xsum", "pairs") else v.shape for a, v in arrays.items()}
+    got = np.asarray(_compile_experts_alone(tmp_path, shapes, cpu_kernels.EXPERT_NIBBLES)(*arrays.values()))
+    assert (chosen == 1).sum() > 128
+    (tmp_path / "alone").mkdir()
+    alone = _compile_blocks_alone(tmp_path / "alone", k, n, True, True, 1)
+    for p, (expert, row) in enumerate(pair_array.tolist()):
+        one = alone(q[row:row + 1], xs[row:row + 1], w[expert], ws[expert], xsum[row:row + 1], wo[expert])
+        np.testing.assert_array_equal(got[p:p + 1], np.asarray(one), err_msg=f"pair {p}")
+
+
 ROWS_KINDS = ("f32", "bf16", "q8_0", "q8_0_offsets", "int8_row_scales", "q4")
 
 
@@ -369,6 +402,37 @@ def test_a_rows_result_is_the_same_whatever_rows_share_the_call(tmp_path, kind):
     for row in range(m):
         one = [a[row:row + 1] if i in input_rows else a for i, a in enumerate(args)]
         np.testing.assert_array_equal(got[row:row + 1], np.asarray(alone(*one)), err_msg=f"row {row}")
+
+
+# The AVX2 build runs on any CPU with AVX2, FMA and F16C, AVX-512 ones too: where the tests above
+# ran the AVX-512 build, the AVX2 one passes the same checks here.
+RUNS_AVX2 = {"avx2", "fma", "f16c"} <= cpu_kernels._host_cpu_flags()
+
+
+@pytest.mark.skipif(cpu_kernels.instruction_set() != "avx512" or not RUNS_AVX2,
+                    reason="the tests above ran this CPU's only build of the kernels")
+def test_the_avx2_build_passes_the_kernel_checks_where_the_avx_512_one_ran_them(tmp_path, monkeypatch):
+    """The kernels alone, built from cpu_kernels_avx2.c on a CPU that also runs the AVX-512 build:
+    float32 against numpy, each int8 block form and the 4-bit one against their eager forms, a
+    prefill's rows equal to a decode step's, every row of a call equal to that row alone, and a
+    mixture's pairs equal to each pair alone."""
+    monkeypatch.setattr(cpu_kernels, "instruction_set", lambda: "avx2")
+    checks = [(test_the_kernel_matches_numpy_with_row_and_channel_tails, (50, 37, "f32", 7)),
+              (test_the_kernel_matches_numpy_with_row_and_channel_tails, (576, 1536, "f32", 1)),
+              *((test_the_block_kernel_matches_its_eager_form, (96, 130, scales))
+                for scales in ("blocks", "offsets", "rows", "halves")),
+              *((test_the_4_bit_kernel_matches_its_eager_form, shape)
+                for shape in ((96, 130, 3), (160, 72, 5), (1536, 576, 1))),
+              (test_a_prefill_s_rows_through_the_4_bit_kernel_are_a_decode_step_s, (160, 130, (1, 5, 9))),
+              *((test_a_rows_result_is_the_same_whatever_rows_share_the_call, (kind,))
+                for kind in ROWS_KINDS if kind != "bf16"),
+              *((test_the_expert_kernel_reads_each_pair_s_expert_where_it_lies, (160, 130, 3, 6, form, True))
+                for form in ("q4", "offsets", "halves")),
+              (test_a_4_bit_expert_s_many_pairs_are_each_what_a_pair_alone_gives, ())]
+    for index, (check, arguments) in enumerate(checks):
+        directory = tmp_path / f"check{index}"
+        directory.mkdir()
+        check(directory, *arguments)
 
 
 def test_every_function_matches_the_eager_model(kernel_export):
@@ -466,6 +530,8 @@ def test_one_row_matmuls_dispatch_the_kernel_and_the_object_ships_beside_the_mli
     assert b"row_matmul" in (kernel_artifacts / "model_cpu.vmfb").read_bytes()  # the executables' export
 
 
+@pytest.mark.skipif(not cpu_kernels.in_place_supported(),
+                    reason="this CPU's kernels (AVX2) hold no in-place attention or LoRA")
 def test_decode_reads_the_kv_pages_in_place(kernel_artifacts):
     """Every layer of every decode function calls the in-place attention kernel (2 layers, decode at
     batch 1 and 4, each with its fixed-shape twin); prefill keeps the page gather."""
@@ -474,6 +540,8 @@ def test_decode_reads_the_kv_pages_in_place(kernel_artifacts):
     assert "util.call @kiln_gather_pages_" in mlir
 
 
+@pytest.mark.skipif(not cpu_kernels.in_place_supported(),
+                    reason="this CPU's kernels (AVX2) hold no in-place attention or LoRA")
 def test_the_fixed_shape_decode_replays_a_command_buffer_recorded_once(kernel_artifacts):
     """With in-place attention the export adds decode_bs<N>_ctx<max_seq_len>, every shape fixed:
     in the compiled module its call loads a command buffer the module recorded when it loaded, where
