@@ -15,7 +15,8 @@
  * Linked into IREE's embedded ELF executables: no libc, no globals, no thread-local state.
  * Each call computes the output rows [row0, row0 + rows) of one workgroup. Prefetches past the
  * end of a buffer are harmless: a prefetch never faults. This is the AVX-512 build;
- * cpu_kernels_avx2.c is the one for x86-64 CPUs without it (cpu_kernels.h: what both share).
+ * cpu_kernels_avx2.c is the one for x86-64 CPUs without it or without its VNNI (cpu_kernels.h:
+ * what both share).
  */
 #include "cpu_kernels.h"
 
@@ -541,23 +542,7 @@ void kiln_expert_matmul(MEMREF_I8(q), MEMREF_F32(xs), MEMREF_F32(xsum), MEMREF_I
   }
 }
 
-/* Decode attention over the paged KV cache, reading each page where it lies.
- *
- * The model's own form gathers every K and V page of every sequence into a contiguous copy and
- * then runs batch matmuls and a blocked softmax over the copy: about ten dispatches a layer, and
- * the copy grows with the batch and the context. Here one workgroup takes one (sequence, K/V
- * head) and walks its block table: 16 keys at a time, it scores the group's query heads against
- * the keys (a K page is stored transposed, [head_dim, stride], so one vector holds one channel of
- * 16 keys), folds them into a running softmax (flash-decoding's online form: the running maximum,
- * the sum of weights, the weighted sum of V rows, rescaled as the maximum grows) and adds the
- * weighted V rows ([stride, head_dim]). q arrives scaled by 1/sqrt(head_dim).
- *
- * Operands: q and out [rows, heads, head_dim]; cache the whole cache buffer; pages [rows, kv_heads,
- * blocks] the K page of each block (its V page is kv_heads pages later, in units of
- * head_dim * stride elements); visible [rows] how many keys each row's query sees (0 for a
- * padding row, whose output is 0). A page past the end of the cache is skipped, never read.
- */
-enum { ATTENTION_KEYS = 16, ATTENTION_MAX_GROUP = 16, ATTENTION_MAX_HEAD_DIM = 256 };
+/* Decode attention over the paged KV cache (cpu_kernels.h says what it computes and how). */
 
 /* exp(x) for float32 lanes: 2^n * exp(r), n = round(x / ln 2), |r| <= ln 2 / 2, exp(r) by its
  * Taylor series to r^7 (error below 1e-8 relative). x is clamped below at -87, where exp is
@@ -580,14 +565,6 @@ static inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-/* The byte caches' forms (models/kv_quant.py, models/llama.py's CachePages): their blocks hold a
- * byte a value, int8 or fp8 e4m3 (OCP's e4m3fn), K^T or V as above, and a page of `page_blocks`
- * blocks ends in scale blocks after its first `value_blocks`: value block i's scales, one bfloat16
- * per key, are the i-th run of 2 * stride bytes there. A chunk's scores take its keys' scales after
- * the dot products; the value weights take the values' scales before the sum. A quarter of
- * float32's bytes are read, each widened to float32 as it is loaded. */
-enum { CACHE_FLOAT32 = 0, CACHE_INT8 = 1, CACHE_FP8_E4M3 = 2 };
-
 __attribute__((target("avx512f")))
 static inline __m512 load_i8_ps(const int8_t *p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
@@ -603,7 +580,6 @@ static inline __m512 load_fp8_ps(const int8_t *p) {
   __m256i rest = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x7f)), 7);
   return _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
 }
-#define FP8_UNIT 256.f
 
 /* 16 bfloat16 bit patterns, widened to float32 by moving them to the high half. */
 __attribute__((target("avx512f")))
@@ -699,73 +675,23 @@ static inline void paged_decode_attention(const float *q, const void *cache, siz
   }
 }
 
-#define ATTENTION_OPERANDS_AT_OFFSETS()                                                                   \
-  do {                                                                                                   \
-    (void)q_allocated; (void)q_size; (void)q_stride; (void)cache_allocated; (void)cache_stride;          \
-    (void)pages_allocated; (void)pages_size; (void)pages_stride; (void)visible_allocated;                \
-    (void)visible_size; (void)visible_stride; (void)out_allocated; (void)out_size; (void)out_stride;     \
-  } while (0)
+DECODE_ATTENTION_ENTRY_POINTS()
 
-__attribute__((target("avx512f")))
-void kiln_paged_decode_attention(MEMREF_F32(q), MEMREF_F32(cache), MEMREF_I64(pages), MEMREF_I64(visible),
-                                 float *out_allocated, float *restrict out, size_t out_offset, size_t out_size,
-                                 size_t out_stride, size_t heads, size_t kv_heads, size_t head_dim, size_t stride,
-                                 size_t blocks, size_t workgroup) {
-  ATTENTION_OPERANDS_AT_OFFSETS();
-  paged_decode_attention(q + q_offset, cache + cache_offset, cache_size, pages + pages_offset,
-                         visible + visible_offset, out + out_offset, heads, kv_heads, head_dim, stride, blocks,
-                         workgroup, CACHE_FLOAT32, 0, 0);
-}
-
-#define BYTE_CACHE_ATTENTION(symbol, form)                                                                \
-  __attribute__((target("avx512f")))                                                                     \
-  void symbol(MEMREF_F32(q), MEMREF_I8(cache), MEMREF_I64(pages), MEMREF_I64(visible), float *out_allocated, \
-              float *restrict out, size_t out_offset, size_t out_size, size_t out_stride, size_t heads,       \
-              size_t kv_heads, size_t head_dim, size_t stride, size_t blocks, size_t page_blocks,             \
-              size_t value_blocks, size_t workgroup) {                                                        \
-    ATTENTION_OPERANDS_AT_OFFSETS();                                                                      \
-    paged_decode_attention(q + q_offset, cache + cache_offset, cache_size, pages + pages_offset,          \
-                           visible + visible_offset, out + out_offset, heads, kv_heads, head_dim, stride,   \
-                           blocks, workgroup, form, page_blocks, value_blocks);                             \
-  }
-
-BYTE_CACHE_ATTENTION(kiln_paged_decode_attention_i8, CACHE_INT8)
-BYTE_CACHE_ATTENTION(kiln_paged_decode_attention_fp8, CACHE_FP8_E4M3)
-
-/* LoRA adapters applied per row (punica's BGMV): y[n, t] = (x[n, t] . A_s^T) . B_s for the row's
- * slot s = slots[n], reading the slot's weights where they lie in the stacked arguments, A
- * [layers, slot_count, rank, in] and B^T [layers, slot_count, rank, out], at layer `layer`. A row
- * with slot 0 (no adapter) or a slot out of range gets zeros and reads no weight. One workgroup
- * takes one row and up to LORA_TOKENS of its tokens: each rank's dot product with every token
- * while its row of A is in cache, then every output vector as a sum of B^T's rows scaled by the
- * tokens' low-rank values. in and out are whole vectors of 16. */
-enum { LORA_TOKENS = 16, LORA_MAX_RANK = 256 };
-
+/* LoRA adapters applied per row (cpu_kernels.h says what it computes). */
 __attribute__((target("avx512f")))
 void kiln_lora_delta(MEMREF_F32(x), MEMREF_F32(a), MEMREF_F32(b), MEMREF_I64(slots), float *y_allocated,
                      float *restrict y, size_t y_offset, size_t y_size, size_t y_stride, size_t tokens, size_t in,
                      size_t out, size_t rank, size_t slot_count, size_t layer, size_t workgroup) {
-  (void)x_allocated; (void)x_size; (void)x_stride; (void)a_allocated; (void)a_stride; (void)b_allocated;
-  (void)b_stride; (void)slots_allocated; (void)slots_size; (void)slots_stride; (void)y_allocated; (void)y_size;
-  (void)y_stride;
-  x += x_offset;
-  a += a_offset;
-  b += b_offset;
-  slots += slots_offset;
-  y += y_offset;
-  size_t chunks = (tokens + LORA_TOKENS - 1) / LORA_TOKENS;
-  size_t row = workgroup / chunks, t0 = workgroup % chunks * LORA_TOKENS;
-  size_t count = tokens - t0 < LORA_TOKENS ? tokens - t0 : LORA_TOKENS;
-  const float *xs = x + (row * tokens + t0) * in;
-  float *ys = y + (row * tokens + t0) * out;
-  int64_t slot = slots[row];
-  size_t a_at = (layer * slot_count + (size_t)slot) * rank * in, b_at = (layer * slot_count + (size_t)slot) * rank * out;
-  if (slot <= 0 || (size_t)slot >= slot_count || rank > LORA_MAX_RANK || a_at + rank * in > a_size ||
-      b_at + rank * out > b_size) {
+  LORA_OPERANDS_AT_OFFSETS();
+  const struct lora_work work = lora_work_of(x, a, a_size, b, b_size, slots, y, tokens, in, out, rank, slot_count,
+                                             layer, workgroup);
+  const size_t count = work.count;
+  const float *xs = work.x, *as = work.a, *bs = work.b;
+  float *ys = work.y;
+  if (!as) {
     for (size_t i = 0; i < count * out; i += 16) _mm512_storeu_ps(ys + i, _mm512_setzero_ps());
     return;
   }
-  const float *as = a + a_at, *bs = b + b_at;
   float low[LORA_TOKENS][LORA_MAX_RANK];
   for (size_t r = 0; r < rank; ++r) {
     const float *a_row = as + r * in;

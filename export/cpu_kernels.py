@@ -16,11 +16,10 @@ What they measured against IREE's kernels: benchmarks/NOTES.md, "Hand-written on
 The same object holds the decode attention kernel that export/cpu_attention.py dispatches.
 
 The object is built for the machine that exports, so an export with these kernels compiles for
-the CPU only, for the host's architecture. On x86-64 with AVX-512 it is `cpu_kernels.c` (the
-bfloat16 and block kernels also need AVX512-BF16 and AVX512-VNNI, and those weights keep IREE's
-kernels on a CPU without them); on one with AVX2 and FMA but no AVX-512 it is
-`cpu_kernels_avx2.c`, which holds the float32, int8-block, 4-bit and expert matmuls with the same
-entry points (bfloat16 weights, decode attention and LoRA then keep the model's own graph).
+the CPU only, for the host's architecture. On x86-64 with AVX-512 and VNNI it is `cpu_kernels.c`
+(its bfloat16 kernel also needs AVX512-BF16, and bf16 weights keep IREE's kernels on a CPU without
+it); on one with AVX2 and FMA but no AVX-512, or AVX-512 without VNNI, it is `cpu_kernels_avx2.c`,
+which holds the same entry points but bfloat16's (instruction_set_for).
 """
 
 from __future__ import annotations
@@ -81,15 +80,31 @@ def _host_cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+# What each build's kernels need. The AVX-512 build's block kernels take VNNI's int8 dot products
+# and BW's byte shuffles: an AVX-512 CPU without them (Skylake-SP/X) runs the AVX2 build, whose
+# block kernels it has, since the default weights are blocks (the two builds differ only in the
+# bfloat16 kernel, AVX512-BF16's, which such a CPU lacks anyway).
+AVX512_BLOCK_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni", "fma"})
+AVX2_FLAGS = frozenset({"avx2", "fma", "f16c"})
+
+
+def instruction_set_for(flags: frozenset[str]) -> str | None:
+    """The build of the kernels a CPU with these /proc/cpuinfo flags runs: "avx512" where it has
+    the AVX-512 block kernels' extensions, else "avx2" (AVX2, FMA, F16C), else "avx512" for an
+    AVX-512 CPU without AVX2 (its float32 kernels only), else None."""
+    if AVX512_BLOCK_FLAGS <= flags:
+        return "avx512"
+    if AVX2_FLAGS <= flags:
+        return "avx2"
+    return "avx512" if {"avx512f", "fma"} <= flags else None
+
+
 def instruction_set() -> str | None:
-    """Which build of the kernels this CPU runs: "avx512" (AVX-512 and FMA), "avx2" (AVX2 and FMA,
-    no AVX-512), or None (neither, or not x86-64)."""
+    """Which build of the kernels this CPU runs (instruction_set_for its flags), or None on a CPU
+    with neither build's extensions or not x86-64."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None
-    flags = _host_cpu_flags()
-    if {"avx512f", "fma"} <= flags:
-        return "avx512"
-    return "avx2" if {"avx2", "fma", "f16c"} <= flags else None
+    return instruction_set_for(_host_cpu_flags())
 
 
 def bf16_supported() -> bool:
@@ -101,13 +116,7 @@ def blocks_supported() -> bool:
     """Whether this CPU runs the block kernels (AVX512-VNNI's int8 dot products, or AVX2's); the
     block types use IREE's kernels where not."""
     isa = instruction_set()
-    return isa == "avx2" or (isa == "avx512" and {"avx512_vnni", "avx512bw"} <= _host_cpu_flags())
-
-
-def in_place_supported() -> bool:
-    """Whether this CPU's build holds the kernels that read the KV cache and LoRA adapters in place
-    (export/cpu_attention.py, export/lora_kernel.py): the AVX-512 one only."""
-    return instruction_set() == "avx512"
+    return isa == "avx2" or (isa == "avx512" and AVX512_BLOCK_FLAGS <= _host_cpu_flags())
 
 
 def support_problem() -> str | None:

@@ -1,8 +1,10 @@
-/* Kiln's weight matmul kernels for x86-64 CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 1-3,
- * Intel's client cores since Alder Lake): the entry points of cpu_kernels.c for float32 weights,
- * int8 blocks (Q8_0, with offsets, row scales or Q6_K's half blocks) and 4-bit blocks two values a
- * byte (Q4_0, Q4_1, Q4_K), and a mixture's experts read in place, with the same operands
- * (cpu_kernels.h), so that one exported MLIR calls whichever build the exporting machine runs.
+/* Kiln's CPU kernels for x86-64 CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 1-3, Intel's
+ * client cores since Alder Lake) or without AVX512-VNNI: the entry points of cpu_kernels.c for
+ * float32 weights, int8 blocks (Q8_0, with offsets, row scales or Q6_K's half blocks) and 4-bit
+ * blocks two values a byte (Q4_0, Q4_1, Q4_K), a mixture's experts read in place, decode attention
+ * over the paged cache (float32, int8 and fp8 pages) and LoRA's per-row deltas, with the same
+ * operands (cpu_kernels.h), so that one exported MLIR calls whichever build the exporting machine
+ * runs.
  * Without them such a CPU runs IREE's code, which on the block types transposes every int8 weight
  * on every call (the bundled SmolLM2's decode step: 55 ms, two thirds of it those copies; 17 ms
  * here: docs/quantization.md).
@@ -15,8 +17,7 @@
  * Every (input row, weight row) pair is summed by the same instructions in the same order
  * whatever else shares the call (the row count, which tile it falls in), so that a decode step's
  * results do not depend on its batch and a prompt's rows equal a decode step's. The bfloat16
- * matmul, decode attention and LoRA kernels are AVX-512 only (export/cpu_kernels.py knows which
- * build holds what). No libc, no globals: linked into IREE's embedded ELF executables.
+ * matmul is AVX-512's only (AVX512-BF16; export/cpu_kernels.py knows which build holds what). No libc, no globals: linked into IREE's embedded ELF executables.
  */
 #include "cpu_kernels.h"
 
@@ -316,5 +317,223 @@ void kiln_expert_matmul(MEMREF_I8(q), MEMREF_F32(xs), MEMREF_F32(xsum), MEMREF_I
     }
     if (count)
       q4_matmul(q, xs, xsum, values, scales, offsets, y, n_dim, k_dim, count, inputs, outputs, row0, rows);
+  }
+}
+
+/* ---- decode attention -------------------------------------------------------------------- */
+
+/* exp(x) for float32 lanes, as the AVX-512 build computes it (2^n * exp(r), exp(r) by its Taylor
+ * series to r^7), 2^n built in the exponent field: x is clamped to [-87, 88], so n stays in
+ * [-126, 127], a normal float's exponents. */
+static inline __m256 exp_ps(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+  __m256 p = _mm256_set1_ps(1.f / 5040.f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+static inline float max_of_lanes(__m256 v) {
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+}
+
+/* 8 values of a cache block at element `at`: float32, or bytes widened (fp8 as 2**-8 times its
+ * value: the byte's sign and other 7 bits moved into a float16's fields, which F16C widens). */
+static inline __attribute__((always_inline)) __m256 load_keys(const void *block, size_t at, int quantized) {
+  const int8_t *bytes = (const int8_t *)block + at;
+  if (quantized == CACHE_FP8_E4M3) {
+    __m128i wide = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)bytes));
+    __m128i sign = _mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x80)), 8);
+    __m128i rest = _mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x7f)), 7);
+    return _mm256_cvtph_ps(_mm_or_si128(sign, rest));
+  }
+  if (quantized) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)bytes)));
+  return _mm256_loadu_ps((const float *)block + at);
+}
+
+/* 8 bfloat16 scales widened to float32 (moved to the high half), times `unit`. */
+static inline __m256 load_bf16_scales(const int8_t *p, float unit) {
+  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+  return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)), _mm256_set1_ps(unit));
+}
+
+/* One workgroup's (row, K/V head), as the AVX-512 build's, for a query group of `group` heads (a
+ * constant where inlined, so that the group's score and output sums stay in registers: AVX2 has 16
+ * of them, where the AVX-512 build's 32 hold a runtime group's). A chunk of ATTENTION_KEYS keys is
+ * two vectors of 8, `half` 0 and 1 below. Each output vector is summed over a chunk's keys in
+ * registers and stored once a chunk; a row's sums are those of the AVX-512 build's order. */
+static inline __attribute__((always_inline)) void group_decode_attention(
+    const float *q, const void *cache, size_t cache_size, const int64_t *pages, const int64_t *visible, float *out,
+    size_t heads, size_t kv_heads, size_t head_dim, size_t stride, size_t blocks, size_t workgroup, int quantized,
+    size_t page_blocks, size_t value_blocks, const size_t group) {
+  size_t row = workgroup / kv_heads, kv_head = workgroup % kv_heads;
+  size_t vectors = head_dim / 8, block = head_dim * stride;
+  size_t element = quantized ? 1 : sizeof(float);
+  const float *qs = q + (row * heads + kv_head * group) * head_dim;
+  float *outs = out + (row * heads + kv_head * group) * head_dim;
+  const int64_t *table = pages + (row * kv_heads + kv_head) * blocks;
+  int64_t seen = visible[row];
+  size_t keys = seen <= 0 ? 0 : (size_t)seen < blocks * stride ? (size_t)seen : blocks * stride;
+  const float unit = quantized == CACHE_FP8_E4M3 ? FP8_UNIT : 1.f;
+
+  __m256 acc[ATTENTION_MAX_GROUP][ATTENTION_MAX_HEAD_DIM / 8];
+  float top[ATTENTION_MAX_GROUP], total[ATTENTION_MAX_GROUP];
+  for (size_t g = 0; g < group; ++g) {
+    top[g] = -__builtin_inff();
+    total[g] = 0.f;
+    for (size_t c = 0; c < vectors; ++c) acc[g][c] = _mm256_setzero_ps();
+  }
+  for (size_t key0 = 0; key0 < keys; key0 += ATTENTION_KEYS) {
+    int64_t page = table[key0 / stride];
+    size_t slot = key0 % stride;
+    if (page < 0 || ((size_t)page + kv_heads + 1) * block > cache_size) continue;
+    size_t page_start = quantized ? (size_t)page / page_blocks * page_blocks : 0;
+    if (quantized && (size_t)page - page_start + kv_heads >= value_blocks) continue;
+    const char *k_block = (const char *)cache + (size_t)page * block * element;
+    const char *v_block = (const char *)cache + ((size_t)page + kv_heads) * block * element;
+    size_t live_keys = keys - key0 < ATTENTION_KEYS ? keys - key0 : ATTENTION_KEYS;
+    __m256i live[2] = {first_lanes(live_keys < 8 ? live_keys : 8), first_lanes(live_keys > 8 ? live_keys - 8 : 0)};
+
+    /* The next chunk's K and V lines, fetched while this one is summed: a chunk's pages lie
+     * anywhere in the cache, where the hardware's prefetchers find no stream to follow. */
+    const size_t next0 = key0 + ATTENTION_KEYS, next_slot = next0 % stride;
+    const int64_t next_page = next0 < keys ? table[next0 / stride] : -1;
+    const char *next_k = next_page < 0 ? k_block : (const char *)cache + (size_t)next_page * block * element;
+    const char *next_v = next_k + kv_heads * block * element + next_slot * head_dim * element;
+    const size_t next_v_bytes = next_page < 0 ? 0 : ATTENTION_KEYS * head_dim * element;
+
+    __m256 scores[ATTENTION_MAX_GROUP][2];
+    for (size_t g = 0; g < group; ++g) scores[g][0] = scores[g][1] = _mm256_setzero_ps();
+    for (size_t d = 0; d < head_dim; ++d) {
+      if (next_page >= 0) _mm_prefetch(next_k + (d * stride + next_slot) * element, _MM_HINT_T0);
+      if (d * 64 < next_v_bytes) _mm_prefetch(next_v + d * 64, _MM_HINT_T0);
+      __m256 channel[2] = {load_keys(k_block, d * stride + slot, quantized),
+                           load_keys(k_block, d * stride + slot + 8, quantized)};
+      for (size_t g = 0; g < group; ++g) {
+        __m256 query = _mm256_set1_ps(qs[g * head_dim + d]);
+        scores[g][0] = _mm256_fmadd_ps(query, channel[0], scores[g][0]);
+        scores[g][1] = _mm256_fmadd_ps(query, channel[1], scores[g][1]);
+      }
+    }
+    __m256 k_scales[2] = {_mm256_set1_ps(1.f), _mm256_set1_ps(1.f)};
+    __m256 v_scales[2] = {_mm256_set1_ps(1.f), _mm256_set1_ps(1.f)};
+    if (quantized) {
+      const int8_t *scales = (const int8_t *)cache + (page_start + value_blocks) * block;
+      const int8_t *k_at = scales + ((size_t)page - page_start) * 2 * stride + 2 * slot;
+      const int8_t *v_at = scales + ((size_t)page - page_start + kv_heads) * 2 * stride + 2 * slot;
+      for (int half = 0; half < 2; ++half) {
+        k_scales[half] = load_bf16_scales(k_at + 16 * half, unit);
+        v_scales[half] = load_bf16_scales(v_at + 16 * half, unit);
+      }
+    }
+    const __m256 minus_inf = _mm256_set1_ps(-__builtin_inff());
+    float weights[ATTENTION_MAX_GROUP][ATTENTION_KEYS];
+    __m256 rescales[ATTENTION_MAX_GROUP];
+    for (size_t g = 0; g < group; ++g) {
+      __m256 masked[2];
+      for (int half = 0; half < 2; ++half) {
+        if (quantized) scores[g][half] = _mm256_mul_ps(scores[g][half], k_scales[half]);
+        masked[half] = _mm256_blendv_ps(minus_inf, scores[g][half], _mm256_castsi256_ps(live[half]));
+      }
+      float chunk_top = max_of_lanes(_mm256_max_ps(masked[0], masked[1]));
+      float new_top = chunk_top > top[g] ? chunk_top : top[g];
+      __m256 tops = _mm256_set1_ps(new_top), p[2];
+      for (int half = 0; half < 2; ++half)
+        p[half] = _mm256_and_ps(exp_ps(_mm256_sub_ps(scores[g][half], tops)), _mm256_castsi256_ps(live[half]));
+      /* exp(-inf) on the first chunk: the clamp makes it ~1e-38, times a total and sums of 0. */
+      float rescale = _mm256_cvtss_f32(exp_ps(_mm256_set1_ps(top[g] - new_top)));
+      top[g] = new_top;
+      total[g] = total[g] * rescale + sum_of_lanes(_mm256_add_ps(p[0], p[1]));
+      rescales[g] = _mm256_set1_ps(rescale);
+      for (int half = 0; half < 2; ++half)
+        _mm256_storeu_ps(weights[g] + 8 * half, quantized ? _mm256_mul_ps(p[half], v_scales[half]) : p[half]);
+    }
+    for (size_t c = 0; c < vectors; ++c) {
+      __m256 sums[ATTENTION_MAX_GROUP];
+      for (size_t g = 0; g < group; ++g) sums[g] = _mm256_mul_ps(acc[g][c], rescales[g]);
+      for (size_t j = 0; j < live_keys; ++j) {
+        __m256 value = load_keys(v_block, (slot + j) * head_dim + c * 8, quantized);
+        for (size_t g = 0; g < group; ++g) sums[g] = _mm256_fmadd_ps(_mm256_set1_ps(weights[g][j]), value, sums[g]);
+      }
+      for (size_t g = 0; g < group; ++g) acc[g][c] = sums[g];
+    }
+  }
+  for (size_t g = 0; g < group; ++g) {
+    __m256 inverse = _mm256_set1_ps(total[g] > 0.f ? 1.f / total[g] : 0.f);
+    for (size_t c = 0; c < vectors; ++c) _mm256_storeu_ps(outs + g * head_dim + c * 8, _mm256_mul_ps(acc[g][c], inverse));
+  }
+}
+
+/* The group sizes of common models (1 to 8 query heads a K/V head: Llama 3, Qwen2.5/3, Gemma 3,
+ * SmolLM2) each get their own loop; a larger group takes the loop whose group is a variable. */
+static inline __attribute__((always_inline)) void paged_decode_attention(
+    const float *q, const void *cache, size_t cache_size, const int64_t *pages, const int64_t *visible, float *out,
+    size_t heads, size_t kv_heads, size_t head_dim, size_t stride, size_t blocks, size_t workgroup, int quantized,
+    size_t page_blocks, size_t value_blocks) {
+#define GROUP_OF(g)                                                                                          \
+  group_decode_attention(q, cache, cache_size, pages, visible, out, heads, kv_heads, head_dim, stride, blocks, \
+                         workgroup, quantized, page_blocks, value_blocks, g)
+  switch (heads / kv_heads) {
+    case 1: GROUP_OF(1); break;
+    case 2: GROUP_OF(2); break;
+    case 3: GROUP_OF(3); break;
+    case 4: GROUP_OF(4); break;
+    case 5: GROUP_OF(5); break;
+    case 6: GROUP_OF(6); break;
+    case 7: GROUP_OF(7); break;
+    case 8: GROUP_OF(8); break;
+    default: GROUP_OF(heads / kv_heads); break;
+  }
+#undef GROUP_OF
+}
+
+DECODE_ATTENTION_ENTRY_POINTS()
+
+/* ---- LoRA -------------------------------------------------------------------------------- */
+
+/* LoRA adapters applied per row (cpu_kernels.h says what it computes), eight lanes a vector. */
+void kiln_lora_delta(MEMREF_F32(x), MEMREF_F32(a), MEMREF_F32(b), MEMREF_I64(slots), float *y_allocated,
+                     float *restrict y, size_t y_offset, size_t y_size, size_t y_stride, size_t tokens, size_t in,
+                     size_t out, size_t rank, size_t slot_count, size_t layer, size_t workgroup) {
+  LORA_OPERANDS_AT_OFFSETS();
+  const struct lora_work work = lora_work_of(x, a, a_size, b, b_size, slots, y, tokens, in, out, rank, slot_count,
+                                             layer, workgroup);
+  const size_t count = work.count;
+  const float *xs = work.x, *as = work.a, *bs = work.b;
+  float *ys = work.y;
+  if (!as) {
+    for (size_t i = 0; i < count * out; i += 8) _mm256_storeu_ps(ys + i, _mm256_setzero_ps());
+    return;
+  }
+  float low[LORA_TOKENS][LORA_MAX_RANK];
+  for (size_t r = 0; r < rank; ++r) {
+    const float *a_row = as + r * in;
+    for (size_t t = 0; t < count; ++t) {
+      __m256 sum = _mm256_setzero_ps();
+      for (size_t k = 0; k < in; k += 8)
+        sum = _mm256_fmadd_ps(_mm256_loadu_ps(a_row + k), _mm256_loadu_ps(xs + t * in + k), sum);
+      low[t][r] = sum_of_lanes(sum);
+    }
+  }
+  for (size_t o = 0; o < out; o += 8) {
+    __m256 acc[LORA_TOKENS];
+    for (size_t t = 0; t < count; ++t) acc[t] = _mm256_setzero_ps();
+    for (size_t r = 0; r < rank; ++r) {
+      __m256 b_row = _mm256_loadu_ps(bs + r * out + o);
+      for (size_t t = 0; t < count; ++t) acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(low[t][r]), b_row, acc[t]);
+    }
+    for (size_t t = 0; t < count; ++t) _mm256_storeu_ps(ys + t * out + o, acc[t]);
   }
 }

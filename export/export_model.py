@@ -35,7 +35,7 @@ from kiln.runtime.contract import (
 from kiln.runtime.errors import ExportError, ModelLoadError
 
 from . import cpu_attention, lora_kernel
-from .cpu_kernels import OBJECT_FILE, build_object, in_place_supported, row_matmul_kernel, support_problem
+from .cpu_kernels import OBJECT_FILE, build_object, row_matmul_kernel, support_problem
 from .exporter import TORCH_DTYPES, trace_module
 from .options import ExportOptions
 from .page_gather import gather_pages
@@ -122,7 +122,7 @@ def kiln_params(checkpoint: Checkpoint, options: ExportOptions) -> KilnParams:
 
 def attention_in_place(checkpoint: Checkpoint, options: ExportOptions) -> bool:
     """Whether decode attention reads the KV pages in place (the CPU kernel) rather than gathering them."""
-    return (options.cpu_kernels and options.attention_in_place and in_place_supported()
+    return (options.cpu_kernels and options.attention_in_place
             and cpu_attention.supports(checkpoint.config, options.block_seq_stride, options.cache_dtype))
 
 
@@ -193,7 +193,7 @@ def build_model(checkpoint: Checkpoint, options: ExportOptions, spill: Spill | N
     model = model.eval()
     if options.lora_slots:  # after quantizing: the adapters' deltas stay float32 beside any storage
         features = list(lora_shapes(checkpoint.config, options.lora_modules).values())
-        in_place = options.cpu_kernels and in_place_supported() and lora_kernel.supports(features, options.lora_rank)
+        in_place = options.cpu_kernels and lora_kernel.supports(features, options.lora_rank)
         model.lora_inputs = attach_lora(model, options.lora_modules, lora_kernel.lora_delta if in_place else None)
     stack_attention_projections(model)
     if spill is not None:

@@ -406,7 +406,7 @@ def test_a_rows_result_is_the_same_whatever_rows_share_the_call(tmp_path, kind):
 
 # The AVX2 build runs on any CPU with AVX2, FMA and F16C, AVX-512 ones too: where the tests above
 # ran the AVX-512 build, the AVX2 one passes the same checks here.
-RUNS_AVX2 = {"avx2", "fma", "f16c"} <= cpu_kernels._host_cpu_flags()
+RUNS_AVX2 = cpu_kernels.AVX2_FLAGS <= cpu_kernels._host_cpu_flags()
 
 
 @pytest.mark.skipif(cpu_kernels.instruction_set() != "avx512" or not RUNS_AVX2,
@@ -414,8 +414,13 @@ RUNS_AVX2 = {"avx2", "fma", "f16c"} <= cpu_kernels._host_cpu_flags()
 def test_the_avx2_build_passes_the_kernel_checks_where_the_avx_512_one_ran_them(tmp_path, monkeypatch):
     """The kernels alone, built from cpu_kernels_avx2.c on a CPU that also runs the AVX-512 build:
     float32 against numpy, each int8 block form and the 4-bit one against their eager forms, a
-    prefill's rows equal to a decode step's, every row of a call equal to that row alone, and a
-    mixture's pairs equal to each pair alone."""
+    prefill's rows equal to a decode step's, every row of a call equal to that row alone, a
+    mixture's pairs equal to each pair alone, decode attention over float32 and byte pages against
+    the gather path (and never outside the cache or in a scale block), and LoRA's deltas against
+    the gathered form."""
+    import tests.export.test_cpu_attention as attention
+    import tests.export.test_lora_kernel as lora
+
     monkeypatch.setattr(cpu_kernels, "instruction_set", lambda: "avx2")
     checks = [(test_the_kernel_matches_numpy_with_row_and_channel_tails, (50, 37, "f32", 7)),
               (test_the_kernel_matches_numpy_with_row_and_channel_tails, (576, 1536, "f32", 1)),
@@ -428,7 +433,13 @@ def test_the_avx2_build_passes_the_kernel_checks_where_the_avx_512_one_ran_them(
                 for kind in ROWS_KINDS if kind != "bf16"),
               *((test_the_expert_kernel_reads_each_pair_s_expert_where_it_lies, (160, 130, 3, 6, form, True))
                 for form in ("q4", "offsets", "halves")),
-              (test_a_4_bit_expert_s_many_pairs_are_each_what_a_pair_alone_gives, ())]
+              (test_a_4_bit_expert_s_many_pairs_are_each_what_a_pair_alone_gives, ()),
+              *((attention.test_the_kernel_matches_the_gather_path, case) for case in attention.CASES[3:]),
+              *((attention.test_the_byte_kernel_matches_the_gather_path_over_dequantized_pages, (*case, fmt))
+                for case in attention.CASES[3:5] for fmt in ("int8", "fp8_e4m3")),
+              (attention.test_a_page_past_the_end_of_the_cache_is_never_read, ()),
+              (attention.test_the_byte_kernel_never_reads_a_scale_block_as_values, ()),
+              *((lora.test_the_kernel_matches_the_gathered_form, (tokens,)) for tokens in (1, 37))]
     for index, (check, arguments) in enumerate(checks):
         directory = tmp_path / f"check{index}"
         directory.mkdir()
@@ -530,8 +541,6 @@ def test_one_row_matmuls_dispatch_the_kernel_and_the_object_ships_beside_the_mli
     assert b"row_matmul" in (kernel_artifacts / "model_cpu.vmfb").read_bytes()  # the executables' export
 
 
-@pytest.mark.skipif(not cpu_kernels.in_place_supported(),
-                    reason="this CPU's kernels (AVX2) hold no in-place attention or LoRA")
 def test_decode_reads_the_kv_pages_in_place(kernel_artifacts):
     """Every layer of every decode function calls the in-place attention kernel (2 layers, decode at
     batch 1 and 4, each with its fixed-shape twin); prefill keeps the page gather."""
@@ -540,8 +549,6 @@ def test_decode_reads_the_kv_pages_in_place(kernel_artifacts):
     assert "util.call @kiln_gather_pages_" in mlir
 
 
-@pytest.mark.skipif(not cpu_kernels.in_place_supported(),
-                    reason="this CPU's kernels (AVX2) hold no in-place attention or LoRA")
 def test_the_fixed_shape_decode_replays_a_command_buffer_recorded_once(kernel_artifacts):
     """With in-place attention the export adds decode_bs<N>_ctx<max_seq_len>, every shape fixed:
     in the compiled module its call loads a command buffer the module recorded when it loaded, where
